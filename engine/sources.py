@@ -38,7 +38,7 @@ class Source:
 
     @property
     def label(self) -> str:
-        return self.path.name if self.path and self.kind != Kind.HF_FOLDER else self.spec
+        return self.path.name if self.path else self.spec
 
 
 def resolve(spec: str) -> Source:

@@ -1,0 +1,222 @@
+"""The engine the app and the bench talk to: two models, one worker thread, streamed events.
+
+Every piece of work runs on the single worker thread, in arrival order, so the KV
+caches are never touched by two requests at once; callers wait in the queue and
+read their own request's events only.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import numpy as np
+
+from engine.decoding import DecodeConfig, Provenance, decode
+from engine.drafters import ModelDrafter
+from engine.errors import EngineError, TokenizerMismatchError
+from engine.metrics import Stats
+from engine.runtime import Runtime
+from engine.sampling import SamplingParams
+from engine.sources import Kind, Source
+from engine.textstream import IncrementalDecoder
+from engine.vocab import Vocabulary
+
+T = TypeVar("T")
+MODES = ("speculative", "autoregressive")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids."""
+
+    messages: tuple[dict, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    mode: str = "speculative"
+    k: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
+
+
+@dataclass
+class Event:
+    """``delta`` while streaming; a last event ``done`` (or ``error``) carries the final metrics."""
+
+    kind: str
+    text: str = ""
+    pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance) per token
+    metrics: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("done", "error")
+
+
+class Engine:
+    def __init__(self, target_dir: Path, draft_dir: Path | None = None, device: str = "CPU",
+                 config: dict | None = None):
+        from transformers import AutoTokenizer
+
+        if draft_dir is not None:
+            check_same_vocabulary(Path(target_dir), Path(draft_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.target = Runtime(Path(target_dir), device, config)
+        self.drafter = ModelDrafter(Runtime(Path(draft_dir), device, config)) if draft_dir is not None else None
+        self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
+        self.max_context = self.target.max_context
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._busy = threading.Lock()
+        threading.Thread(target=self._work, name="engine-worker", daemon=True).start()
+
+    # -- the worker -------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            with self._busy:
+                job()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread (after the queued work) and return its result."""
+        future: Future = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed back to the caller's thread
+                future.set_exception(exc)
+
+        self._jobs.put(job)
+        return future.result()
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for or using the engine."""
+        return self._jobs.qsize() + (1 if self._busy.locked() else 0)
+
+    # -- generation -------------------------------------------------------------------------
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_ids:
+            return list(request.prompt_ids)
+        if not request.messages or not str(request.messages[-1].get("content", "")).strip():
+            raise EngineError("the message is empty: type something first")
+        ids = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def generate(self, request: Request) -> Iterator[Event]:
+        """Stream the events of one request. Closing the iterator cancels it within one round."""
+        if request.mode not in MODES:
+            raise EngineError(f"unknown mode '{request.mode}': choose one of {', '.join(MODES)}")
+        events: queue.Queue[Event] = queue.Queue()
+        cancel = threading.Event()
+        self._jobs.put(lambda: self._run(request, events, cancel))
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if event.final:
+                    return
+        finally:
+            cancel.set()
+
+    def run(self, request: Request) -> Event:
+        """Generate to the end; return the final event."""
+        for event in self.generate(request):
+            if event.final:
+                return event
+        raise EngineError("generation ended without a final event")
+
+    def _run(self, request: Request, events: queue.Queue, cancel: threading.Event) -> None:
+        stats = Stats(request.mode)
+        out: list[int] = []
+        try:
+            prompt = self.prompt_ids(request)
+            if not request.reuse_cache:
+                self.reset()
+                stats.start = time.perf_counter()
+            detok = IncrementalDecoder(self.tokenizer)
+            text = ""
+            for round_ in decode(self.target, self.drafter, prompt, self._decode_config(request), stats):
+                pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
+                out += round_.tokens
+                delta = "".join(piece for piece, _ in pieces)
+                text, delta, stopped = _apply_stop_strings(text, delta, request.stop_strings)
+                events.put(Event("delta", delta, pieces, stats.snapshot()))
+                if stopped:
+                    stats.finish_reason = "stop"
+                    break
+                if cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    break
+            else:
+                if tail := detok.flush():
+                    events.put(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
+            events.put(Event("done", metrics=stats.snapshot(), token_ids=out))
+        except EngineError as exc:
+            events.put(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
+        except Exception as exc:  # never let one request kill the worker
+            events.put(Event("error", error=f"internal error: {type(exc).__name__}: {exc}",
+                             metrics=stats.snapshot(), token_ids=out))
+
+    def _decode_config(self, request: Request) -> DecodeConfig:
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
+        return DecodeConfig(request.mode == "speculative" and self.drafter is not None, request.k,
+                            request.max_new_tokens, sampling, self.stop_ids)
+
+    def reset(self) -> None:
+        """Empty both KV caches (worker thread only)."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.runtime.reset()
+
+    def top2_margin(self, prompt: list[int], prefix: list[int]) -> float:
+        """The target's top-2 logit gap after ``prompt + prefix``: how near a tie that step was."""
+        def measure() -> float:
+            logits = self.target.score([*prompt, *prefix])[-1]
+            top = np.partition(logits, -2)[-2:]
+            return float(abs(top[1] - top[0]))
+
+        return self.call(measure)
+
+
+def _apply_stop_strings(text: str, delta: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
+    """Append ``delta``; if a stop string appears, cut the text just before it."""
+    new = text + delta
+    hits = [i for s in stops if s and (i := new.find(s, max(0, len(text) - len(s) + 1))) >= 0]
+    if not hits:
+        return new, delta, False
+    cut = min(hits)
+    return new[:cut], new[len(text):cut] if cut > len(text) else "", True
+
+
+def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+        token_id = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    gen = ir_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
+    t, d = (Vocabulary.of(Source(str(p), Kind.OV_IR, p)) for p in (target_dir, draft_dir))
+    if t.digest != d.digest:
+        raise TokenizerMismatchError(
+            f"the draft {draft_dir} ({d.describe()}) does not share the tokenizer of the target "
+            f"{target_dir} ({t.describe()}): speculative decoding needs one vocabulary"
+        )

@@ -1,0 +1,80 @@
+"""Session fixtures: tiny models built once, prepared through the real conversion path."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.convert import Compression
+from engine.prepare import prepare_one
+from engine.runtime import EXACT_CONFIG
+from tests.tiny import build_model, build_tokenizer
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real: needs the prepared default model pair (slow)")
+    config.addinivalue_line("markers", "browser: drives a real Chromium")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_dir) -> Path:
+    return tiny_dir / "cache"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tiny_dir) -> Path:
+    folder = tiny_dir / "tokenizer"
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny_dir, tokenizer_dir) -> Path:
+    return build_model(tiny_dir / "hf-target", tokenizer_dir, "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def hf_draft(tiny_dir, tokenizer_dir, hf_target) -> Path:
+    return build_model(tiny_dir / "hf-draft", tokenizer_dir, base=hf_target, noise=0.15, seed=2)
+
+
+@pytest.fixture(scope="session")
+def ir_target(hf_target, tiny_cache) -> Path:
+    return prepare_one(str(hf_target), Compression("fp16"), tiny_cache).path
+
+
+@pytest.fixture(scope="session")
+def ir_draft(hf_draft, tiny_cache) -> Path:
+    return prepare_one(str(hf_draft), Compression("fp16"), tiny_cache).path
+
+
+@pytest.fixture(scope="session")
+def engine(ir_target, ir_draft):
+    """An engine on the tiny pair at f32, where speculative decoding must be exact."""
+    from engine.service import Engine
+
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """The prepared default pair, or skip where it is not prepared."""
+    from engine.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+    from engine.prepare import cached, default_cache_dir, entry_dir
+    from engine.sources import resolve
+
+    cache = default_cache_dir()
+    dirs = [cached(entry_dir(cache, resolve(s), Compression("int4"))) for s in (DEFAULT_TARGET, DEFAULT_DRAFT)]
+    if not all(dirs) and not os.environ.get("SPECCHAT_PREPARE_REAL"):
+        pytest.skip("the default pair is not prepared (python -m engine.prepare)")
+    if not all(dirs):
+        from engine.prepare import prepare_pair
+
+        dirs = prepare_pair(DEFAULT_TARGET, DEFAULT_DRAFT, Compression("int4"), Compression("int4"), cache)
+    return tuple(d.path for d in dirs)

@@ -1,0 +1,159 @@
+"""Exactness of speculative decoding and KV-cache handling on tiny f32 models."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from engine.decoding import DecodeConfig, decode
+from engine.drafters import ModelDrafter
+from engine.errors import ContextLimitError
+from engine.metrics import Stats
+from engine.runtime import EXACT_CONFIG, Runtime
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.service import Request
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    "héllo wörld 日本語",
+    "class Stack:\n    def push",
+]
+
+
+@pytest.fixture(scope="module")
+def pair(ir_target, ir_draft):
+    return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(Runtime(ir_draft, config=EXACT_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def tok(engine):
+    return engine.tokenizer
+
+
+def run(target, drafter, prompt, **cfg) -> tuple[list[int], Stats]:
+    target.reset()
+    if drafter is not None:
+        drafter.runtime.reset()
+    stats = Stats("test")
+    tokens = [t for r in decode(target, drafter, prompt, DecodeConfig(**cfg), stats) for t in r.tokens]
+    return tokens, stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_matches_autoregressive(pair, tok, k):
+    target, drafter = pair
+    accepted = drafted = 0
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ar, _ = run(target, drafter, prompt, speculative=False, max_new_tokens=40)
+        sd, stats = run(target, drafter, prompt, speculative=True, k=k, max_new_tokens=40)
+        assert sd == ar, f"k={k} prompt={text!r}"
+        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    assert 0 < accepted < drafted, "the tiny draft should be right sometimes and wrong sometimes"
+
+
+def test_rejected_tokens_leave_no_trace_in_kv_cache(pair, tok):
+    target, drafter = pair
+    target.reset()
+    drafter.runtime.reset()
+    context = tok.encode(PROMPTS[0])
+    for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=30), Stats("t")):
+        context = context + round_.tokens
+        assert target.tokens == context[: len(target.tokens)] and len(target.tokens) >= len(context) - 1
+        assert drafter.runtime.tokens == context[: len(drafter.runtime.tokens)]
+
+
+def test_logits_after_trim_equal_a_fresh_run(pair, tok):
+    target, _ = pair
+    tokens = tok.encode(PROMPTS[3] + " " + PROMPTS[1])
+    target.reset()
+    target.forward(tokens[:5])
+    target.forward(tokens[5:12])  # extra tokens, then rolled back
+    target.trim(5)
+    after_trim = target.forward(tokens[5:9], rows=4)
+    target.reset()
+    target.forward(tokens[:5])
+    fresh = target.forward(tokens[5:9], rows=4)
+    np.testing.assert_array_equal(after_trim, fresh)
+
+
+def test_sampled_tokens_follow_the_target_distribution(pair, tok):
+    """Chi-square over two-token outcomes: speculative samples fit the target's p, the draft's do not."""
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[1])
+    params = SamplingParams(temperature=1.0)
+    draws = 3000
+    sd_counts: dict[tuple, int] = {}
+    for seed in range(draws):
+        tokens, _ = run(target, drafter, prompt, k=2, max_new_tokens=2, sampling=SamplingParams(1.0, seed=seed))
+        sd_counts[tuple(tokens)] = sd_counts.get(tuple(tokens), 0) + 1
+    draft_counts: dict[tuple, int] = {}
+    for seed in range(draws):
+        tokens, _ = run(drafter.runtime, None, prompt, speculative=False, max_new_tokens=2,
+                        sampling=SamplingParams(1.0, seed=seed))
+        draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
+
+    target.reset()
+    first = logits_to_probs(target.score(prompt)[-1], params)
+    outcomes = {}
+    for a in np.flatnonzero(first * draws >= 1):
+        second = logits_to_probs(target.score(prompt + [int(a)])[-1], params)
+        for b in np.flatnonzero(first[a] * second * draws >= 1):
+            outcomes[(int(a), int(b))] = first[a] * second[b]
+
+    def p_value(counts):
+        keys = [k for k, p in outcomes.items() if p * draws >= 5]
+        observed = [counts.get(k, 0) for k in keys]
+        expected = [outcomes[k] * draws for k in keys]
+        observed.append(draws - sum(observed))
+        expected.append(draws - sum(expected))
+        return scipy_stats.chisquare(observed, expected).pvalue
+
+    assert p_value(sd_counts) > 0.01
+    assert p_value(draft_counts) < 1e-6
+
+
+def test_cancel_mid_stream_then_new_request_equals_fresh_run(engine):
+    chat = ({"role": "user", "content": PROMPTS[0]},)
+    fresh = engine.run(Request(chat, max_new_tokens=30, reuse_cache=False)).token_ids
+    stream = engine.generate(Request(({"role": "user", "content": PROMPTS[1]},), max_new_tokens=60))
+    next(stream)
+    stream.close()
+    again = engine.run(Request(chat, max_new_tokens=30))
+    assert again.token_ids == fresh
+
+
+def test_multi_turn_reuses_the_cache_and_equals_a_fresh_run(engine):
+    turn1 = ({"role": "user", "content": PROMPTS[0]},)
+    first = engine.run(Request(turn1, max_new_tokens=20, reuse_cache=False))
+    answer = engine.tokenizer.decode(first.token_ids, skip_special_tokens=True)
+    turn2 = turn1 + ({"role": "assistant", "content": answer}, {"role": "user", "content": PROMPTS[3]})
+    reused = engine.run(Request(turn2, max_new_tokens=20))
+    fresh = engine.run(Request(turn2, max_new_tokens=20, reuse_cache=False))
+    assert reused.token_ids == fresh.token_ids
+    assert reused.metrics["ttft_s"] is not None
+    # only the new suffix was prefilled: the cache kept the first turn
+    prompt2 = engine.prompt_ids(Request(turn2))
+    assert len(engine.prompt_ids(Request(turn1))) < len(prompt2)
+
+
+def test_over_long_prompt_gives_a_clear_error_and_engine_keeps_working(engine):
+    long = " ".join(["speculative"] * 400)
+    event = engine.run(Request(({"role": "user", "content": long},), max_new_tokens=5))
+    assert event.kind == "error" and "context" in event.error
+    ok = engine.run(Request(({"role": "user", "content": "hi"},), max_new_tokens=5))
+    assert ok.kind == "done"
+
+
+def test_empty_message_is_refused(engine):
+    event = engine.run(Request(({"role": "user", "content": "   "},)))
+    assert event.kind == "error" and "empty" in event.error
+
+
+def test_generation_stops_at_the_context_limit(pair, tok):
+    target, drafter = pair
+    prompt = tok.encode(" ".join(["fox"] * 200))[: target.max_context - 10]
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=100)
+    assert len(prompt) + len(tokens) <= target.max_context
+    assert stats.finish_reason in ("context", "stop")
