@@ -132,8 +132,9 @@ def metrics_html(m: dict, status: str = "") -> str:
         f'<div class="card"><div class="value">{html.escape(value)}</div>'
         f'<div class="label">{html.escape(label)}</div></div>' for label, value in cards
     )
-    return (f'<div class="metrics" data-mode="{html.escape(m["mode"])}">'
-            f'<div class="metrics-head"><span class="pill pill-{html.escape(m["mode"])}">{html.escape(m["mode"])}</span>'
+    mode = html.escape(m["mode"])
+    return (f'<div class="metrics" data-mode="{mode}">'
+            f'<div class="metrics-head"><span class="pill pill-{mode}">{mode}</span>'
             f'<span class="finish">{html.escape(status or m["finish_reason"])}</span></div>'
             f'<div class="cards">{body}</div></div>')
 
@@ -153,11 +154,14 @@ class Throughput:
         if tokens == self.last[1] or wall <= 0:
             return
         self.rows.append((wall, m["tokens_per_s"], "average"))
-        if self.last[1] and wall > self.last[0]:  # the first round also holds the prefill
+        if wall > self.last[0]:  # (the first round's rate includes the prefill, like the average)
             self.rows.append((wall, (tokens - self.last[1]) / (wall - self.last[0]), "this round"))
         self.last = (wall, tokens)
 
-    def frame(self) -> pd.DataFrame:
+    def frame(self) -> pd.DataFrame | None:
+        """The samples so far (None while there are none: a plot first drawn empty stays blank)."""
+        if not self.rows:
+            return None
         return pd.DataFrame(self.rows, columns=list(self.COLUMNS)).astype(self.COLUMNS)
 
     def plot(self, final: bool):
@@ -211,7 +215,7 @@ def stream_answer(engine, turns, colour, settings, box):
 
 
 def clear_chat():
-    return "", [], [], metrics_html({}), {}, Throughput().frame()
+    return "", [], [], metrics_html({}), {}, None
 
 
 def draft_length_for(mode):
@@ -223,7 +227,8 @@ def draft_length_for(mode):
 def run_stats(m: dict) -> str:
     if not m:
         return ""
-    line = f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s · TTFT {_seconds(m['ttft_s'])}"
+    line = (f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s"
+            f" · TTFT {_seconds(m['ttft_s'])}")
     if m["mode"] == "speculative":
         line += f" · acceptance {m['acceptance_rate']:.0%} · mean accepted length {m['mean_accepted_length']:.2f}"
     return line
@@ -232,7 +237,7 @@ def run_stats(m: dict) -> str:
 def verdict_html(finals: dict, temperature: float) -> str:
     """Speedup (AR wall / SD wall) and whether both runs produced the same tokens."""
     if len(finals) < 2:
-        return '<div class="verdict">running…</div>' if finals else ""
+        return ""
     ar, sd = finals["autoregressive"], finals["speculative"]
     speedup = ar.metrics["wall_s"] / sd.metrics["wall_s"] if sd.metrics["wall_s"] else 0.0
     if ar.token_ids == sd.token_ids:
@@ -240,13 +245,18 @@ def verdict_html(finals: dict, temperature: float) -> str:
     else:
         why = " (sampling: equal only in distribution)" if temperature > 0 else ""
         badge = f'<span class="badge differ">outputs differ{html.escape(why)}</span>'
+    walls = f'AR {ar.metrics["wall_s"]:.2f} s / SD {sd.metrics["wall_s"]:.2f} s'
     return (f'<div class="verdict"><span class="speedup">{speedup:.2f}× speedup</span>'
-            f'<span class="detail">AR {ar.metrics["wall_s"]:.2f} s / SD {sd.metrics["wall_s"]:.2f} s</span>{badge}</div>')
+            f'<span class="detail">{walls}</span>{badge}</div>')
 
 
-def speed_frame(finals: dict) -> pd.DataFrame:
-    return pd.DataFrame([(mode, e.metrics["tokens_per_s"]) for mode, e in finals.items()],
-                        columns=["mode", "tokens_per_s"]).astype({"mode": str, "tokens_per_s": float})
+def speed_frame(finals: dict) -> pd.DataFrame | None:
+    """Tokens/s of both modes (0 for one still to run): the bar chart draws only the bars it first saw."""
+    if not finals:
+        return None
+    rows = [(mode, finals[mode].metrics["tokens_per_s"] if mode in finals else 0.0)
+            for mode in ("autoregressive", "speculative")]
+    return pd.DataFrame(rows, columns=["mode", "tokens_per_s"]).astype({"mode": str, "tokens_per_s": float})
 
 
 def compare(engine, prompt, k, temperature, top_p, max_new_tokens, seed):
@@ -334,7 +344,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
             gr.Markdown("### Live metrics")
             metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
-            tps_plot = gr.LinePlot(Throughput().frame(), x="time_s", y="tokens_per_s", color="series",
+            tps_plot = gr.LinePlot(None, x="time_s", y="tokens_per_s", color="series",
                                    x_title="time (s)", y_title="tokens/s", title="tokens/s while streaming",
                                    height=220, elem_id="tps-plot",
                                    color_map={"average": "#4f46e5", "this round": "#10b981"})
@@ -371,14 +381,15 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             with gr.Row(equal_height=True):
                 with gr.Column():
                     gr.Markdown("#### Autoregressive")
-                    ar_text = gr.Markdown(height=320, elem_classes="answer", latex_delimiters=[])
+                    ar_text = gr.Markdown(height=320, container=True, latex_delimiters=[])
                     ar_stats = gr.Markdown()
                 with gr.Column():
                     gr.Markdown("#### Speculative")
-                    sd_text = gr.Markdown(height=320, elem_classes="answer", latex_delimiters=[])
+                    sd_text = gr.Markdown(height=320, container=True, latex_delimiters=[])
                     sd_stats = gr.Markdown()
-            speed_bars = gr.BarPlot(speed_frame({}), x="mode", y="tokens_per_s", color="mode", height=220,
-                                    title="tokens/s", y_title="tokens/s", color_map={"autoregressive": "#94a3b8", "speculative": "#4f46e5"})
+            speed_bars = gr.BarPlot(None, x="mode", y="tokens_per_s", color="mode", height=220,
+                                    title="tokens/s", y_title="tokens/s", y_lim=[0, None],
+                                    color_map={"autoregressive": "#94a3b8", "speculative": "#4f46e5"})
             table = gr.Markdown(elem_id="paper-table")
             gr.Examples([[e["prompt"]] for e in examples], inputs=[prompt],
                         example_labels=[e["label"] for e in examples], label="Examples")
@@ -392,7 +403,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             again.click(partial(retry, engine), [turns, colour, *settings], chat_out, api_name="retry",
                         show_progress_on=chatbot, **ENGINE_QUEUE),
         ]
-        stop.click(None, cancels=chat_events, api_name="stop")
+        stop.click(None, cancels=chat_events)
         clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False)
         chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, queue=False, api_visibility="private")
@@ -405,7 +416,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table",
                             **ENGINE_QUEUE),
         ]
-        stop_compare.click(None, cancels=compare_events, api_name="stop_compare")
+        stop_compare.click(None, cancels=compare_events)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
 
@@ -426,7 +437,7 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sh
     elif share:
         said = next((line.strip() for line in gradio_says.getvalue().splitlines() if line.strip()), "")
         reason = said.removeprefix("Could not create share link.").strip().rstrip(".") or "no tunnel"
-        print(f"share link unavailable: {reason} (Gradio's tunnel needs internet access); "
+        print(f"share link unavailable: Gradio could not open its tunnel ({reason}; it needs internet access); "
               f"serving locally at {local}", flush=True)
     else:
         print(f"serving at {local}", flush=True)
@@ -456,6 +467,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def start_engine(args: argparse.Namespace) -> Engine:
+    """Prepare the models (converting them on first use), load them once and warm them up,
+    so the first user does not pay for OpenVINO's first-inference setup (several seconds)."""
+    target, draft = prepare_from_args(args)
+    print(f"loading the models on {args.device}…", file=sys.stderr, flush=True)
+    engine = Engine(target.path, draft.path, device=args.device)
+    print("warming up…", file=sys.stderr, flush=True)
+    engine.run(Request(messages=({"role": "user", "content": "Hello"},), max_new_tokens=4))
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -464,9 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        target, draft = prepare_from_args(args)
-        print(f"loading the models on {args.device}…", file=sys.stderr, flush=True)
-        engine = Engine(target.path, draft.path, device=args.device)
+        engine = start_engine(args)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,12 @@ from openvino import opset13 as ops
 from engine.errors import ContextLimitError, PrepareError
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+# The target's default. With the CPU defaults (bf16 compute, u8 KV cache) a K+1-token
+# verify pass rounds differently from single-token steps often enough to flip greedy
+# choices that are not near ties (the u8 KV quantization is the main cause), and bf16
+# logits are so coarse that exact top-2 ties are common. f32 compute with a bf16 KV
+# cache costs the same CPU time per decoded token on int4 weights (measured: README).
+TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "bf16"}
 _KV_BYTES = {"u8": 1, "i8": 1, "bf16": 2, "f16": 2, "f32": 4}
 
 
@@ -28,19 +34,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _slice_logits(model: ov.Model, f32_logits: bool) -> None:
+def _slice_logits(model: ov.Model) -> None:
     """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
-    projection, so a long prefill does not pay for logits it never reads.
-
-    With ``f32_logits`` the projection runs in f32 even under a bf16 inference hint:
-    bf16 logits are so coarse (0.125 apart near 20) that exact ties between the top
-    two tokens are common, and a tie can break differently in a multi-token pass.
-    """
+    projection, so a long prefill does not pay for logits it never reads."""
     node = model.output("logits").get_node().input_value(0).get_node()
     while node.get_type_name() != "MatMul":
         node = node.input_value(0).get_node()
-    if f32_logits:
-        node.get_rt_info()["disable_fp16_compression_0"] = ""
     hidden = node.input_value(0)
     keep = ops.parameter([1], ov.Type.i64, name="logits_to_keep")
     keep.output(0).get_tensor().set_names({"logits_to_keep"})
@@ -56,15 +55,14 @@ def _slice_logits(model: ov.Model, f32_logits: bool) -> None:
 class Runtime:
     """One model, one request, one KV cache."""
 
-    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None,
-                 f32_logits: bool = True):
+    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None):
         core = core or ov.Core()
         xml = Path(ir_dir) / "openvino_model.xml"
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
             raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
-        _slice_logits(model, f32_logits)
+        _slice_logits(model)
         self.compiled = core.compile_model(model, device, config or {})
         self.request = self.compiled.create_infer_request()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())

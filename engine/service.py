@@ -21,7 +21,7 @@ from engine.decoding import DecodeConfig, Provenance, decode
 from engine.drafters import ModelDrafter
 from engine.errors import EngineError, TokenizerMismatchError
 from engine.metrics import Stats
-from engine.runtime import Runtime
+from engine.runtime import TARGET_CONFIG, Runtime
 from engine.sampling import SamplingParams
 from engine.sources import Kind, Source
 from engine.textstream import IncrementalDecoder
@@ -66,14 +66,17 @@ class Event:
 
 class Engine:
     def __init__(self, target_dir: Path, draft_dir: Path | None = None, device: str = "CPU",
-                 config: dict | None = None):
+                 config: dict | None = None, draft_config: dict | None = None):
+        """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
+        :data:`TARGET_CONFIG` for the target, the plugin's fastest defaults for the draft,
+        whose rounding cannot change the output)."""
         from transformers import AutoTokenizer
 
         if draft_dir is not None:
             check_same_vocabulary(Path(target_dir), Path(draft_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.target = Runtime(Path(target_dir), device, config)
-        self.drafter = ModelDrafter(Runtime(Path(draft_dir), device, config)) if draft_dir is not None else None
+        self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
+        self.drafter = ModelDrafter(Runtime(Path(draft_dir), device, draft_config or {})) if draft_dir else None
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.max_context = self.target.max_context
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()

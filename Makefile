@@ -1,0 +1,47 @@
+# Two commands matter: `make run` (the app on the embedded default pair) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup run test test-fast prepare bench paper report chromium clean
+
+setup: $(VENV)/.installed
+
+# optimum-intel goes in with --no-deps: its metadata pulls torchvision, whose only build
+# on the registry is a CUDA one that breaks `import transformers` (see requirements.txt).
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps optimum-intel==2.2.0
+	touch $@
+
+prepare: setup
+	$(PY) -m engine.prepare $(ARGS)
+
+run: setup
+	$(PY) app.py $(ARGS)
+
+chromium:
+	@command -v /usr/bin/chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# Everything: tiny-model suite, browser test, and the smoke test on the real default pair.
+test: setup chromium prepare
+	$(PY) -m pytest -q
+
+# Tiny models only (no real pair, no browser).
+test-fast: setup
+	$(PY) -m pytest -q -m "not real and not browser"
+
+bench: setup
+	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
+		--modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
+
+paper: setup
+	$(PY) -m engine.bench --paper $(ARGS)
+
+report: setup
+	$(PY) -m engine.prepare --report $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench-results
