@@ -3,9 +3,12 @@
     python -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 \
         --k 3,4,5 --modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json
 
-Modes: ``ar`` (own autoregressive), ``sd`` (own speculative, one run per K),
-``genai-ar`` / ``genai-sd`` (openvino-genai's LLMPipeline on the same IRs, without /
-with ``draft_model``). Every run starts with empty KV caches and greedy decoding.
+Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model),
+``pld`` (prompt lookup), ``hybrid`` (prompt lookup, else the draft model), ``best``
+(hybrid with adaptive draft length, the app's default), ``genai-ar`` / ``genai-sd``
+(openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``).
+Modes that draft run once per K, except ``best``, which picks its own. Every run
+starts with empty KV caches and greedy decoding.
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from engine.errors import EngineError
 from engine.prepare import add_model_arguments, prepare_from_args
 from engine.service import Engine, Request
 
-NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
+NEAR_TIE = 0.05
+OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "pld": "pld", "hybrid": "hybrid", "best": "best"}
+PER_K = {"sd", "pld", "hybrid", "genai-sd"}  # a divergence is acceptable only where the target's top-2 logit margin is below this
 
 
 @dataclass
@@ -154,10 +159,10 @@ def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], 
         prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
         ar = None
         for mode in modes:
-            for k in (ks if mode.endswith("sd") else [0]):
-                label = f"{mode}-k{k}" if mode.endswith("sd") and len(ks) > 1 else mode
-                if mode in ("ar", "sd"):
-                    run = own_run(engine, prompt_id, prompt_ids, "speculative" if mode == "sd" else "autoregressive", k, n, label)
+            for k in (ks if mode in PER_K else [0]):
+                label = f"{mode}-k{k}" if mode in PER_K and len(ks) > 1 else mode
+                if mode in OWN_MODES:
+                    run = own_run(engine, prompt_id, prompt_ids, OWN_MODES[mode], k, n, label)
                 else:
                     tokens, wall, ttft = peers[mode].run(prompt_ids, n, k or None)
                     run = Run(prompt_id, label, tokens, engine.tokenizer.decode(tokens, skip_special_tokens=True),
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
-    parser.add_argument("--modes", default="ar,sd", help="ar,sd,genai-ar,genai-sd")
+    parser.add_argument("--modes", default="ar,sd", help=f"comma separated, of: {', '.join([*OWN_MODES, 'genai-ar', 'genai-sd'])}")
     parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
     parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--paper", action="store_true", help="reproduce the seed paper's experiments")
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         target, draft = prepare_from_args(args)
         engine = Engine(target.path, draft.path)
         modes = args.modes.split(",")
-        unknown = set(modes) - {"ar", "sd", "genai-ar", "genai-sd"}
+        unknown = set(modes) - {*OWN_MODES, "genai-ar", "genai-sd"}
         if unknown:
             raise EngineError(f"unknown modes: {', '.join(sorted(unknown))}")
         peers = {m: GenaiPeer(target.path, draft.path if m == "genai-sd" else None, set(engine.stop_ids))

@@ -32,24 +32,104 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A small language model with its own KV cache drafts token by token."""
+    """A small language model with its own KV cache drafts token by token.
 
-    def __init__(self, runtime: Runtime):
+    ``p_min`` stops a round early once the draft's own confidence in the token it
+    just drafted (its top probability) falls below it; ``adaptive`` moves the draft
+    length between 1 and the requested K from the last round's outcome (longer after
+    a fully accepted draft, shorter after a rejection). Neither changes the output:
+    how many tokens are drafted depends only on the draft.
+    """
+
+    def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False):
         self.runtime = runtime
+        self.p_min = p_min
+        self.adaptive = adaptive
+        self._k: int | None = None  # current adaptive length
+        self._last: tuple[int, list[int]] | None = None  # (context length, proposal) of the last round
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
+        budget = min(k, self._k or k) if self.adaptive else k
         tokens: list[int] = []
         rows = []
-        for _ in range(k):
-            probs = logits_to_probs(self.runtime.score([*context, *tokens])[-1], params)
+        while len(tokens) < budget:
+            logits = self.runtime.score([*context, *tokens])[-1]
+            probs = logits_to_probs(logits, params)
             tokens.append(sample(probs, rng))
             rows.append(probs)
-        return Draft(tokens, np.stack(rows), time.perf_counter() - start)
+            if self.p_min > 0 and _confidence(logits) < self.p_min:
+                break
+        self._last = (len(context), tokens)
+        return Draft(tokens, np.stack(rows) if rows else np.empty((0, 0)), time.perf_counter() - start)
 
     def rollback(self, accepted: Sequence[int]) -> None:
         self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
+        if self.adaptive and self._last is not None:
+            start, proposal = self._last
+            kept = common_prefix(proposal, accepted[start:])
+            self._k = (self._k or len(proposal)) + 2 if kept == len(proposal) else max(1, (self._k or len(proposal)) - 1)
+            self._last = None
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.runtime.kv_cache_bytes
+
+
+def _confidence(logits: np.ndarray) -> float:
+    """The draft's top probability at temperature 1."""
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z).sum())
+
+
+class LookupDrafter:
+    """Prompt-lookup drafting: continue the most recent earlier occurrence of the
+    context's last n-gram (longest n first). Costs no model pass; its proposals are
+    deterministic, so their draft distribution is one-hot."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        start = time.perf_counter()
+        tokens = self.lookup(np.asarray(context), k)
+        probs = np.zeros((len(tokens), self.vocab_size))
+        probs[np.arange(len(tokens)), tokens] = 1.0
+        return Draft(tokens, probs, time.perf_counter() - start)
+
+    def lookup(self, context: np.ndarray, k: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+            if len(hits):
+                begin = hits[-1] + n
+                return [int(t) for t in context[begin:begin + k]]
+        return []
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        pass
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+
+class HybridDrafter:
+    """Prompt lookup where the context repeats itself, the draft model elsewhere."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup = lookup
+        self.model = model
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        draft = self.lookup.propose(context, k, params, rng)
+        return draft if draft.tokens else self.model.propose(context, k, params, rng)
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        self.model.rollback(accepted)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.model.kv_cache_bytes

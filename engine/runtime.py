@@ -65,6 +65,7 @@ class Runtime:
         _slice_logits(model)
         self.compiled = core.compile_model(model, device, config or {})
         self.request = self.compiled.create_infer_request()
+        self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         self._kv_bytes_per_token = self._kv_bytes(hf_config)
@@ -82,6 +83,12 @@ class Runtime:
     @property
     def kv_cache_bytes(self) -> int:
         return len(self.tokens) * self._kv_bytes_per_token
+
+    def warm_up(self) -> None:
+        """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""
+        for n in (8, 1, 5):
+            self.forward([0] * n, rows=n)
+        self.reset()
 
     def reset(self) -> None:
         self.request.reset_state()

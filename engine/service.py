@@ -18,7 +18,7 @@ from typing import Callable, Iterator, TypeVar
 import numpy as np
 
 from engine.decoding import DecodeConfig, Provenance, decode
-from engine.drafters import ModelDrafter
+from engine.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.errors import EngineError, TokenizerMismatchError
 from engine.metrics import Stats
 from engine.runtime import TARGET_CONFIG, Runtime
@@ -28,7 +28,10 @@ from engine.textstream import IncrementalDecoder
 from engine.vocab import Vocabulary
 
 T = TypeVar("T")
-MODES = ("speculative", "autoregressive")
+MODES = ("speculative", "autoregressive", "pld", "hybrid", "best")
+# "best": the fastest exact configuration measured on this machine (README, Benchmarks).
+BEST_K = 6
+BEST_P_MIN = 0.3
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,31 @@ class Engine:
             check_same_vocabulary(Path(target_dir), Path(draft_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
-        self.drafter = ModelDrafter(Runtime(Path(draft_dir), device, draft_config or {})) if draft_dir else None
+        self.draft = Runtime(Path(draft_dir), device, draft_config or {}) if draft_dir else None
+        self.drafters = self._drafters()
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.warm_up()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.max_context = self.target.max_context
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self._busy = threading.Lock()
         threading.Thread(target=self._work, name="engine-worker", daemon=True).start()
+
+    def _drafters(self) -> dict[str, Drafter]:
+        """One drafter per speculative mode; the model drafters share the draft's KV cache."""
+        drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size)}
+        if self.draft is not None:
+            lookup = LookupDrafter(self.target.vocab_size, min_ngram=2)
+            drafters["speculative"] = ModelDrafter(self.draft)
+            drafters["hybrid"] = HybridDrafter(lookup, ModelDrafter(self.draft))
+            drafters["best"] = HybridDrafter(lookup, ModelDrafter(self.draft, p_min=BEST_P_MIN, adaptive=True))
+        return drafters
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes this engine can run (speculative ones need a draft model, except pld)."""
+        return tuple(m for m in MODES if m == "autoregressive" or m in self.drafters)
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -119,8 +141,8 @@ class Engine:
 
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream the events of one request. Closing the iterator cancels it within one round."""
-        if request.mode not in MODES:
-            raise EngineError(f"unknown mode '{request.mode}': choose one of {', '.join(MODES)}")
+        if request.mode not in self.modes:
+            raise EngineError(f"unknown mode '{request.mode}': choose one of {', '.join(self.modes)}")
         events: queue.Queue[Event] = queue.Queue()
         cancel = threading.Event()
         self._jobs.put(lambda: self._run(request, events, cancel))
@@ -150,7 +172,8 @@ class Engine:
                 stats.start = time.perf_counter()
             detok = IncrementalDecoder(self.tokenizer)
             text = ""
-            for round_ in decode(self.target, self.drafter, prompt, self._decode_config(request), stats):
+            drafter = self.drafters.get(request.mode)
+            for round_ in decode(self.target, drafter, prompt, self._decode_config(request), stats):
                 pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
                 out += round_.tokens
                 delta = "".join(piece for piece, _ in pieces)
@@ -174,14 +197,14 @@ class Engine:
 
     def _decode_config(self, request: Request) -> DecodeConfig:
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
-        return DecodeConfig(request.mode == "speculative" and self.drafter is not None, request.k,
-                            request.max_new_tokens, sampling, self.stop_ids)
+        k = BEST_K if request.mode == "best" else request.k
+        return DecodeConfig(request.mode != "autoregressive", k, request.max_new_tokens, sampling, self.stop_ids)
 
     def reset(self) -> None:
         """Empty both KV caches (worker thread only)."""
-        self.target.reset()
-        if self.drafter is not None:
-            self.drafter.runtime.reset()
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.reset()
 
     def top2_margin(self, prompt: list[int], prefix: list[int]) -> float:
         """The target's top-2 logit gap after ``prompt + prefix``: how near a tie that step was."""

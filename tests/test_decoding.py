@@ -6,7 +6,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from engine.decoding import DecodeConfig, decode
-from engine.drafters import ModelDrafter
+from engine.drafters import HybridDrafter, LookupDrafter, ModelDrafter
 from engine.errors import ContextLimitError
 from engine.metrics import Stats
 from engine.runtime import EXACT_CONFIG, Runtime
@@ -26,6 +26,29 @@ def pair(ir_target, ir_draft):
     return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(Runtime(ir_draft, config=EXACT_CONFIG))
 
 
+DRAFTERS = ["model", "adaptive", "lookup", "hybrid"]
+
+
+def make_drafter(kind: str, pair):
+    """Every drafter the engine offers, on the tiny pair."""
+    target, model = pair
+    vocab = target.forward([1]).shape[-1]
+    target.reset()
+    if kind == "model":
+        return model
+    if kind == "adaptive":
+        return ModelDrafter(model.runtime, p_min=0.3, adaptive=True)
+    if kind == "lookup":
+        return LookupDrafter(vocab)
+    return HybridDrafter(LookupDrafter(vocab, min_ngram=2), model)
+
+
+def _reset(drafter) -> None:
+    for runtime in (getattr(drafter, "runtime", None), getattr(getattr(drafter, "model", None), "runtime", None)):
+        if runtime is not None:
+            runtime.reset()
+
+
 @pytest.fixture(scope="module")
 def tok(engine):
     return engine.tokenizer
@@ -33,24 +56,25 @@ def tok(engine):
 
 def run(target, drafter, prompt, **cfg) -> tuple[list[int], Stats]:
     target.reset()
-    if drafter is not None:
-        drafter.runtime.reset()
+    _reset(drafter)
     stats = Stats("test")
     tokens = [t for r in decode(target, drafter, prompt, DecodeConfig(**cfg), stats) for t in r.tokens]
     return tokens, stats
 
 
+@pytest.mark.parametrize("kind", DRAFTERS)
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_speculative_matches_autoregressive(pair, tok, k):
-    target, drafter = pair
+def test_greedy_speculative_matches_autoregressive(pair, tok, k, kind):
+    target, _ = pair
+    drafter = make_drafter(kind, pair)
     accepted = drafted = 0
     for text in PROMPTS:
         prompt = tok.encode(text)
         ar, _ = run(target, drafter, prompt, speculative=False, max_new_tokens=40)
         sd, stats = run(target, drafter, prompt, speculative=True, k=k, max_new_tokens=40)
-        assert sd == ar, f"k={k} prompt={text!r}"
+        assert sd == ar, f"k={k} drafter={kind} prompt={text!r}"
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-    assert 0 < accepted < drafted, "the tiny draft should be right sometimes and wrong sometimes"
+    assert 0 < accepted < drafted, "the drafter should be right sometimes and wrong sometimes"
 
 
 def test_rejected_tokens_leave_no_trace_in_kv_cache(pair, tok):
@@ -78,10 +102,12 @@ def test_logits_after_trim_equal_a_fresh_run(pair, tok):
     np.testing.assert_array_equal(after_trim, fresh)
 
 
-def test_sampled_tokens_follow_the_target_distribution(pair, tok):
+@pytest.mark.parametrize("kind", ["model", "hybrid"])
+def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
     """Chi-square over two-token outcomes: speculative samples fit the target's p, the draft's do not."""
-    target, drafter = pair
-    prompt = tok.encode(PROMPTS[1])
+    target, model = pair
+    drafter = make_drafter(kind, pair)
+    prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
     params = SamplingParams(temperature=1.0)
     draws = 3000
     sd_counts: dict[tuple, int] = {}
@@ -90,7 +116,7 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok):
         sd_counts[tuple(tokens)] = sd_counts.get(tuple(tokens), 0) + 1
     draft_counts: dict[tuple, int] = {}
     for seed in range(draws):
-        tokens, _ = run(drafter.runtime, None, prompt, speculative=False, max_new_tokens=2,
+        tokens, _ = run(model.runtime, None, prompt, speculative=False, max_new_tokens=2,
                         sampling=SamplingParams(1.0, seed=seed))
         draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
 
