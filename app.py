@@ -28,7 +28,7 @@ import pandas as pd
 
 from engine.errors import EngineError
 from engine.prepare import add_model_arguments, prepare_from_args
-from engine.service import MODES, Engine, Request
+from engine.service import Engine, Request
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 AUTH_ENV = "SPECCHAT_AUTH"
@@ -40,6 +40,12 @@ LEGEND = {
     "target": "target correction",
     "bonus": "target bonus token",
     "autoregressive": "target, one pass per token",
+}
+MODE_HELP = {  # where the drafts come from
+    "speculative": "draft model",
+    "pld": "prompt lookup",
+    "hybrid": "lookup, else draft model",
+    "best": "fastest measured here",
 }
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 
@@ -117,7 +123,7 @@ def metrics_html(m: dict, status: str = "") -> str:
     ``status`` shows in the corner (default: the finish reason)."""
     if not m:
         return '<div class="metrics empty">Send a message to see live metrics.</div>'
-    speculative = m["mode"] == "speculative"
+    speculative = m["mode"] != "autoregressive"  # every other mode drafts tokens
     cards = [
         ("tokens/s", f"{m['tokens_per_s']:.1f}"),
         ("acceptance", f"{m['acceptance_rate']:.0%}" if speculative else "—"),
@@ -214,13 +220,18 @@ def stream_answer(engine, turns, colour, settings, box):
         events.close()
 
 
+def stopped(panel, metrics):
+    """The metrics panel once Stop has cancelled a stream (unchanged if none was streaming)."""
+    return metrics_html(metrics, "stopped") if "streaming…" in (panel or "") and metrics else gr.skip()
+
+
 def clear_chat():
     return "", [], [], metrics_html({}), {}, None
 
 
 def draft_length_for(mode):
-    """K only matters in speculative mode."""
-    return gr.update(interactive=mode == "speculative")
+    """K only matters where tokens are drafted."""
+    return gr.update(interactive=mode != "autoregressive")
 
 
 # -- compare handlers -------------------------------------------------------------------------
@@ -262,8 +273,8 @@ def speed_frame(finals: dict) -> pd.DataFrame | None:
 def compare(engine, prompt, k, temperature, top_p, max_new_tokens, seed):
     """Autoregressive, then speculative, on the same prompt with fresh caches; both stream."""
     messages = ({"role": "user", "content": prompt},)
-    texts = {mode: "" for mode in MODES}
-    metrics = {mode: {} for mode in MODES}
+    texts = {"autoregressive": "", "speculative": ""}
+    metrics = {"autoregressive": {}, "speculative": {}}
     finals: dict = {}
 
     def outputs():
@@ -335,7 +346,9 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
 
         with gr.Sidebar(width=360, label="Settings"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
-            mode = gr.Radio(list(MODES), value="speculative", label="Decoding mode", elem_id="mode")
+            mode = gr.Radio(list(engine.modes), label="Decoding mode", elem_id="mode",
+                            value="speculative" if "speculative" in engine.modes else engine.modes[0],
+                            info=" · ".join(f"{m}: {MODE_HELP[m]}" for m in engine.modes if m in MODE_HELP))
             k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
             top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
@@ -403,7 +416,8 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             again.click(partial(retry, engine), [turns, colour, *settings], chat_out, api_name="retry",
                         show_progress_on=chatbot, **ENGINE_QUEUE),
         ]
-        stop.click(None, cancels=chat_events)
+        stop.click(None, cancels=chat_events).then(stopped, [metrics_panel, metrics_json], metrics_panel,
+                                                   queue=False, api_visibility="private")
         clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False)
         chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, queue=False, api_visibility="private")
@@ -468,14 +482,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start_engine(args: argparse.Namespace) -> Engine:
-    """Prepare the models (converting them on first use), load them once and warm them up,
-    so the first user does not pay for OpenVINO's first-inference setup (several seconds)."""
+    """Prepare the models (converting them on first use) and load them, once."""
     target, draft = prepare_from_args(args)
-    print(f"loading the models on {args.device}…", file=sys.stderr, flush=True)
-    engine = Engine(target.path, draft.path, device=args.device)
-    print("warming up…", file=sys.stderr, flush=True)
-    engine.run(Request(messages=({"role": "user", "content": "Hello"},), max_new_tokens=4))
-    return engine
+    print(f"loading and warming up the models on {args.device}…", file=sys.stderr, flush=True)
+    return Engine(target.path, draft.path, device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

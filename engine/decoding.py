@@ -58,7 +58,6 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
-    stats.finish_reason = "length"
     while stats.new_tokens < config.max_new_tokens:
         room = target.max_context - len(context)
         if room <= 0:
@@ -83,6 +82,7 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
         if stop_at is not None:
             stats.finish_reason = "stop"
             return
+    stats.finish_reason = "length"
 
 
 def _target_probs(target: Runtime, tokens: list[int], rows: int, params: SamplingParams, stats: Stats) -> np.ndarray:

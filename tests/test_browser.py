@@ -1,12 +1,13 @@
 """The page in a real Chromium: tokens stream, metrics move, the mode toggles. Saves the README screenshot."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
 import app
+from tests.test_app import SlowEngine, serve
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -34,27 +35,31 @@ WATCH = """() => {
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo = app.build_app(engine)
-    yield app.launch(demo, port=port, block=False)
-    demo.close()
-
-
-@pytest.fixture(scope="module")
-def page(url):
-    from playwright.sync_api import sync_playwright
-
+def browser():
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def open_app(browser):
+    """Serve the app on an engine and open it in a new page; everything is closed afterwards."""
+    opened = []
+
+    def open_app(engine):
+        demo, url = serve(engine)
         page = browser.new_page(viewport={"width": 1440, "height": 1350})
+        opened.append((demo, page))
         page.set_default_timeout(30_000)
         page.goto(url)
         page.wait_for_selector("#message textarea")
-        yield page
-        browser.close()
+        return page
+
+    yield open_app
+    for demo, page in opened:
+        page.close()
+        demo.close()
 
 
 def send(page, message: str, mode: str) -> None:
@@ -62,12 +67,14 @@ def send(page, message: str, mode: str) -> None:
     page.evaluate(WATCH)
     page.fill("#message textarea", message)
     page.click("#send")
-    page.wait_for_function("""() => window.seen.metrics.some(m => m.includes('streaming'))
-        && /length|stop|context/.test(document.querySelector('#metrics .finish')?.innerText)""")
+    page.wait_for_function("""() => window.seen.metrics.some(m => m.includes('streaming') || m.includes('error'))
+        && /length|stop|context|error/.test(document.querySelector('#metrics .finish')?.innerText)""")
+    assert page.inner_text("#metrics .finish") != "error", page.inner_text("#chatbot")
     assert page.get_attribute("#metrics .metrics", "data-mode") == mode
 
 
-def test_tokens_stream_metrics_move_and_the_mode_toggles(page):
+def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine):
+    page = open_app(engine)
     page.fill("#max-new-tokens input[type=number]", "96")
     page.press("#max-new-tokens input[type=number]", "Enter")
     send(page, "def add(a, b):", "speculative")
@@ -85,10 +92,29 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(page):
     page.click("#clear")
     page.locator("#mode").get_by_text("speculative", exact=True).click()
     page.get_by_label("Colour tokens by provenance").check()
-    page.get_by_role("button", name="LRU cache class").click()
-    send(page, page.input_value("#message textarea"), "speculative")
+    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
+    page.get_by_role("button", name=example["label"]).click()
+    expect(page.locator("#message textarea")).to_have_value(example["prompt"])
+    send(page, example["prompt"], "speculative")
     assert page.locator('#chatbot [data-testid="bot"]').count() == 1
     assert page.locator("#chatbot .token-view .tok").count() > 0
     page.wait_for_timeout(500)  # the plot's last redraw
     page.screenshot(path=str(SCREENSHOT))
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def test_stop_button_ends_the_stream_and_keeps_the_partial_answer(open_app, engine):
+    slow = SlowEngine(engine, delay=0.05)
+    page = open_app(slow)
+    page.fill("#max-new-tokens input[type=number]", "200")
+    page.press("#max-new-tokens input[type=number]", "Enter")
+    page.fill("#message textarea", "def add(a, b):")
+    page.click("#send")
+    page.wait_for_function("""() => document.querySelector('#metrics .finish')?.innerText.includes('streaming')""")
+    page.click("#stop")
+    assert slow.closed.wait(5), "Stop did not close the engine stream"
+    page.wait_for_function("""() => document.querySelector('#metrics .finish')?.innerText === 'stopped'""")
+    answer = page.locator('#chatbot [data-testid="bot"]').inner_text()
+    page.wait_for_timeout(500)
+    assert answer and page.locator('#chatbot [data-testid="bot"]').inner_text() == answer
+    assert not slow.final_read
