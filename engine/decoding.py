@@ -18,8 +18,8 @@ from engine.drafters import Drafter
 from engine.errors import ContextLimitError
 from engine.metrics import Stats
 from engine.runtime import Runtime, common_prefix
-from engine.sampling import SamplingParams, logits_to_probs, sample
-from engine.speculative import accept_draft
+from engine.sampling import SamplingParams, logits_to_probs, next_token
+from engine.speculative import accept_draft, accept_greedy
 
 
 class Provenance(str, Enum):
@@ -85,26 +85,29 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
     stats.finish_reason = "length"
 
 
-def _target_probs(target: Runtime, tokens: list[int], rows: int, params: SamplingParams, stats: Stats) -> np.ndarray:
+def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) -> np.ndarray:
     start = time.perf_counter()
     logits = target.score(tokens, rows)
     stats.target_seconds += time.perf_counter() - start
     stats.target_passes += 1
-    return logits_to_probs(logits, params)
+    return logits
 
 
 def _autoregressive_step(target: Runtime, context: list[int], params: SamplingParams, rng: np.random.Generator,
                          stats: Stats) -> Round:
-    p = _target_probs(target, context, 1, params, stats)
-    return Round([sample(p[-1], rng)], [Provenance.AUTOREGRESSIVE])
+    logits = _target_logits(target, context, 1, stats)
+    return Round([next_token(logits[-1], params, rng)], [Provenance.AUTOREGRESSIVE])
 
 
 def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k: int, params: SamplingParams,
                        rng: np.random.Generator, stats: Stats) -> Round:
     draft = drafter.propose(context, k, params, rng)
     stats.draft_seconds += draft.seconds
-    p = _target_probs(target, context + draft.tokens, len(draft.tokens) + 1, params, stats)
-    n, token = accept_draft(draft.tokens, draft.probs, p, rng)
+    logits = _target_logits(target, context + draft.tokens, len(draft.tokens) + 1, stats)
+    if params.greedy:
+        n, token = accept_greedy(draft.tokens, logits)
+    else:
+        n, token = accept_draft(draft.tokens, draft.probs, logits_to_probs(logits, params), rng)
     stats.drafted += len(draft.tokens)
     stats.accepted += n
     last = Provenance.BONUS if n == len(draft.tokens) else Provenance.TARGET

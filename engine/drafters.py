@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams, logits_to_probs, sample
 @dataclass
 class Draft:
     tokens: list[int]
-    probs: np.ndarray  # [len(tokens), V]: the distribution each token was drawn from
+    probs: np.ndarray | None  # [len(tokens), V]: the distribution each token was drawn from (None when greedy)
     seconds: float
 
 
@@ -41,8 +41,10 @@ class ModelDrafter:
     how many tokens are drafted depends only on the draft.
     """
 
-    def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False):
+    def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False, vocab_size: int | None = None):
+        """``vocab_size``: the target's vocabulary, when the draft head covers only a prefix of it."""
         self.runtime = runtime
+        self.vocab_size = vocab_size or runtime.vocab_size
         self.p_min = p_min
         self.adaptive = adaptive
         self._k: int | None = None  # current adaptive length
@@ -55,13 +57,21 @@ class ModelDrafter:
         rows = []
         while len(tokens) < budget:
             logits = self.runtime.score([*context, *tokens])[-1]
-            probs = logits_to_probs(logits, params)
-            tokens.append(sample(probs, rng))
-            rows.append(probs)
+            if params.greedy:
+                tokens.append(int(np.argmax(logits)))
+            else:
+                rows.append(logits_to_probs(logits, params))
+                tokens.append(sample(rows[-1], rng))
             if self.p_min > 0 and _confidence(logits) < self.p_min:
                 break
         self._last = (len(context), tokens)
-        return Draft(tokens, np.stack(rows) if rows else np.empty((0, 0)), time.perf_counter() - start)
+        return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
+
+    def _padded(self, rows: list[np.ndarray]) -> np.ndarray:
+        """Rows over the target's vocabulary: ids past a reduced draft head have q = 0."""
+        probs = np.zeros((len(rows), self.vocab_size))
+        probs[:, : self.runtime.vocab_size] = np.stack(rows)
+        return probs
 
     def rollback(self, accepted: Sequence[int]) -> None:
         self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
@@ -95,8 +105,10 @@ class LookupDrafter:
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
         tokens = self.lookup(np.asarray(context), k)
-        probs = np.zeros((len(tokens), self.vocab_size))
-        probs[np.arange(len(tokens)), tokens] = 1.0
+        probs = None
+        if not params.greedy:
+            probs = np.zeros((len(tokens), self.vocab_size))
+            probs[np.arange(len(tokens)), tokens] = 1.0
         return Draft(tokens, probs, time.perf_counter() - start)
 
     def lookup(self, context: np.ndarray, k: int) -> list[int]:

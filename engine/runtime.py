@@ -37,9 +37,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def _slice_logits(model: ov.Model) -> None:
     """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
     projection, so a long prefill does not pay for logits it never reads."""
-    node = model.output("logits").get_node().input_value(0).get_node()
-    while node.get_type_name() != "MatMul":
-        node = node.input_value(0).get_node()
+    node = _lm_head(model)
     hidden = node.input_value(0)
     keep = ops.parameter([1], ov.Type.i64, name="logits_to_keep")
     keep.output(0).get_tensor().set_names({"logits_to_keep"})
@@ -52,17 +50,59 @@ def _slice_logits(model: ov.Model) -> None:
     model.validate_nodes_and_infer_types()
 
 
+def _lm_head(model: ov.Model) -> ov.Node:
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        node = node.input_value(0).get_node()
+    return node
+
+
+def _shrink_vocabulary(model: ov.Model, rows: int) -> None:
+    """Keep only the first ``rows`` rows of the vocabulary projection (FR-Spec style).
+
+    BPE ids are ordered by merge rank, which follows frequency, so a prefix of the
+    vocabulary is a frequency-ranked subset that keeps every id unchanged. The
+    compressed weight constants (and their scales / zero points) are sliced in place,
+    so the bytes read per token shrink with the rows.
+    """
+    matmul = _lm_head(model)
+    vocab = matmul.input_value(1).get_partial_shape()[0].get_length()
+    pending = [matmul.input_value(1).get_node()]
+    while pending:
+        node = pending.pop()
+        for port in node.inputs():
+            source = port.get_source_output().get_node()
+            if source.get_type_name() != "Constant":
+                pending.append(source)
+                continue
+            data = source.get_data()
+            if node.get_type_name() == "Reshape" and port.get_index() == 1:
+                data = np.where(data == vocab, rows, data)
+            elif data.ndim and data.shape[0] == vocab:
+                data = data[:rows]
+            else:
+                continue
+            sliced = ops.constant(np.ascontiguousarray(data), source.get_output_element_type(0))
+            port.replace_source_output(sliced.output(0))
+    model.validate_nodes_and_infer_types()
+
+
 class Runtime:
     """One model, one request, one KV cache."""
 
-    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None):
+    def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None,
+                 vocab_limit: int | None = None):
+        """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head)."""
         core = core or ov.Core()
-        xml = Path(ir_dir) / "openvino_model.xml"
+        self.ir_dir = Path(ir_dir)
+        xml = self.ir_dir / "openvino_model.xml"
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
             raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
         _slice_logits(model)
+        if vocab_limit and vocab_limit < _lm_head(model).input_value(1).get_partial_shape()[0].get_length():
+            _shrink_vocabulary(model, vocab_limit)
         self.compiled = core.compile_model(model, device, config or {})
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()

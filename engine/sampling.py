@@ -57,3 +57,10 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a probability row."""
     cdf = np.cumsum(probs)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from one row of logits: the argmax when greedy (no distribution is built)."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(logits_to_probs(logits, params), rng)

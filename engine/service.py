@@ -32,6 +32,9 @@ MODES = ("speculative", "autoregressive", "pld", "hybrid", "best")
 # "best": the fastest exact configuration measured on this machine (README, Benchmarks).
 BEST_K = 6
 BEST_P_MIN = 0.3
+# The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
+# on this machine the acceptance it costs outweighs the cheaper draft pass (README, Benchmarks).
+DRAFT_VOCAB: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,17 +72,18 @@ class Event:
 
 class Engine:
     def __init__(self, target_dir: Path, draft_dir: Path | None = None, device: str = "CPU",
-                 config: dict | None = None, draft_config: dict | None = None):
+                 config: dict | None = None, draft_config: dict | None = None, draft_vocab: int | None = DRAFT_VOCAB):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` for the target, the plugin's fastest defaults for the draft,
-        whose rounding cannot change the output)."""
+        whose rounding cannot change the output). ``draft_vocab``: the draft head computes
+        logits for the first N token ids only (None: all)."""
         from transformers import AutoTokenizer
 
         if draft_dir is not None:
             check_same_vocabulary(Path(target_dir), Path(draft_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
-        self.draft = Runtime(Path(draft_dir), device, draft_config or {}) if draft_dir else None
+        self.draft = Runtime(Path(draft_dir), device, draft_config or {}, vocab_limit=draft_vocab) if draft_dir else None
         self.drafters = self._drafters()
         for runtime in (self.target, self.draft):
             if runtime is not None:
@@ -95,9 +99,11 @@ class Engine:
         drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size)}
         if self.draft is not None:
             lookup = LookupDrafter(self.target.vocab_size, min_ngram=2)
-            drafters["speculative"] = ModelDrafter(self.draft)
-            drafters["hybrid"] = HybridDrafter(lookup, ModelDrafter(self.draft))
-            drafters["best"] = HybridDrafter(lookup, ModelDrafter(self.draft, p_min=BEST_P_MIN, adaptive=True))
+            vocab = self.target.vocab_size
+            drafters["speculative"] = ModelDrafter(self.draft, vocab_size=vocab)
+            drafters["hybrid"] = HybridDrafter(lookup, ModelDrafter(self.draft, vocab_size=vocab))
+            drafters["best"] = HybridDrafter(
+                lookup, ModelDrafter(self.draft, p_min=BEST_P_MIN, adaptive=True, vocab_size=vocab))
         return drafters
 
     @property
@@ -207,8 +213,9 @@ class Engine:
                 runtime.reset()
 
     def top2_margin(self, prompt: list[int], prefix: list[int]) -> float:
-        """The target's top-2 logit gap after ``prompt + prefix``: how near a tie that step was."""
+        """The target's top-2 logit gap after ``prompt + prefix`` (one fresh pass): how near a tie that step was."""
         def measure() -> float:
+            self.target.reset()
             logits = self.target.score([*prompt, *prefix])[-1]
             top = np.partition(logits, -2)[-2:]
             return float(abs(top[1] - top[0]))

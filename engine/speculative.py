@@ -27,3 +27,14 @@ def accept_draft(draft: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.ran
         # residual is all zero only when p == q, where no rejection can happen; keep p as a guard.
         return i, sample(residual if residual.sum() > 0 else p[i], rng)
     return len(draft), sample(p[len(draft)], rng)
+
+
+def accept_greedy(draft: Sequence[int], target_logits: np.ndarray) -> tuple[int, int]:
+    """:func:`accept_draft` in its temperature -> 0 limit, without building distributions.
+
+    p and q are one-hot there: a drafted token is kept exactly when it is the target's
+    argmax, and the correction (or bonus) is the target's argmax at the first miss.
+    """
+    best = target_logits.argmax(-1)
+    n = next((i for i, token in enumerate(draft) if token != best[i]), len(draft))
+    return n, int(best[n])

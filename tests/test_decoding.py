@@ -26,7 +26,7 @@ def pair(ir_target, ir_draft):
     return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(Runtime(ir_draft, config=EXACT_CONFIG))
 
 
-DRAFTERS = ["model", "adaptive", "lookup", "hybrid"]
+DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid"]
 
 
 def make_drafter(kind: str, pair):
@@ -38,6 +38,8 @@ def make_drafter(kind: str, pair):
         return model
     if kind == "adaptive":
         return ModelDrafter(model.runtime, p_min=0.3, adaptive=True)
+    if kind == "small-head":
+        return ModelDrafter(Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200), vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab)
     return HybridDrafter(LookupDrafter(vocab, min_ngram=2), model)
@@ -102,7 +104,7 @@ def test_logits_after_trim_equal_a_fresh_run(pair, tok):
     np.testing.assert_array_equal(after_trim, fresh)
 
 
-@pytest.mark.parametrize("kind", ["model", "hybrid"])
+@pytest.mark.parametrize("kind", ["model", "small-head", "hybrid"])
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
     """Chi-square over two-token outcomes: speculative samples fit the target's p, the draft's do not."""
     target, model = pair

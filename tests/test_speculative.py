@@ -1,0 +1,41 @@
+"""The accept/reject rule as a pure function, and the reduced draft head."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.runtime import EXACT_CONFIG, Runtime
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.speculative import accept_draft, accept_greedy
+
+
+def test_greedy_acceptance_is_the_zero_temperature_limit_of_the_rule():
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0.0)
+    for _ in range(200):
+        k = int(rng.integers(1, 6))
+        target = rng.normal(size=(k + 1, 12))
+        draft_logits = rng.normal(size=(k, 12))
+        agree = int(rng.integers(0, k + 1))  # drafts that match the target for a while, then maybe not
+        draft = [int(t) for t in target.argmax(-1)[:agree]] + [int(t) for t in draft_logits.argmax(-1)[agree:]]
+        q = np.zeros((k, 12))
+        q[np.arange(k), draft] = 1.0
+        expected = accept_draft(draft, q, logits_to_probs(target, greedy), rng)
+        assert accept_greedy(draft, target) == expected
+
+
+def test_a_rejected_token_is_resampled_from_the_residual():
+    p = np.array([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    q = np.array([[0.0, 1.0, 0.0]])
+    rng = np.random.default_rng(1)
+    outcomes = [accept_draft([1], q, p, rng) for _ in range(4000)]
+    accepted = np.mean([n == 1 for n, _ in outcomes])
+    assert abs(accepted - 0.5) < 0.03  # min(1, p/q) = 0.5
+    assert {t for n, t in outcomes if n == 0} == {0}  # residual max(0, p - q) is all on token 0
+
+
+def test_reduced_draft_head_gives_the_first_ids_logits_unchanged(ir_draft):
+    full = Runtime(ir_draft, config=EXACT_CONFIG)
+    small = Runtime(ir_draft, config=EXACT_CONFIG, vocab_limit=100)
+    tokens = [5, 17, 42, 99, 3, 77]
+    assert small.vocab_size == 100
+    np.testing.assert_allclose(small.forward(tokens, rows=6), full.forward(tokens, rows=6)[:, :100], atol=1e-5)
