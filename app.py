@@ -43,9 +43,10 @@ LEGEND = {
 }
 MODE_HELP = {  # where the drafts come from
     "speculative": "draft model",
+    "adaptive": "draft model, adaptive K",
     "pld": "prompt lookup",
     "hybrid": "lookup, else draft model",
-    "best": "fastest measured here",
+    "best": "fastest measured here (hybrid, K=4)",
 }
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 
@@ -347,7 +348,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
         with gr.Sidebar(width=360, label="Settings"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
             mode = gr.Radio(list(engine.modes), label="Decoding mode", elem_id="mode",
-                            value="speculative" if "speculative" in engine.modes else engine.modes[0],
+                            value=engine.modes[0],
                             info=" · ".join(f"{m}: {MODE_HELP[m]}" for m in engine.modes if m in MODE_HELP))
             k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")

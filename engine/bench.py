@@ -4,8 +4,9 @@
         --k 3,4,5 --modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json
 
 Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model),
-``pld`` (prompt lookup), ``hybrid`` (prompt lookup, else the draft model), ``best``
-(hybrid with adaptive draft length, the app's default), ``genai-ar`` / ``genai-sd``
+``adaptive`` (draft model, draft length adapted per round), ``pld`` (prompt lookup),
+``hybrid`` (prompt lookup where it matches, else the draft model), ``best`` (the app's
+default: the fastest exact configuration), ``genai-ar`` / ``genai-sd``
 (openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``).
 Modes that draft run once per K, except ``best``, which picks its own. Every run
 starts with empty KV caches and greedy decoding.
@@ -25,8 +26,9 @@ from engine.prepare import add_model_arguments, prepare_from_args
 from engine.service import Engine, Request
 
 NEAR_TIE = 0.05
-OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "pld": "pld", "hybrid": "hybrid", "best": "best"}
-PER_K = {"sd", "pld", "hybrid", "genai-sd"}  # a divergence is acceptable only where the target's top-2 logit margin is below this
+OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "adaptive": "adaptive", "pld": "pld", "hybrid": "hybrid",
+             "best": "best"}
+PER_K = {"sd", "adaptive", "pld", "hybrid", "genai-sd"}  # a divergence is acceptable only where the target's top-2 logit margin is below this
 
 
 @dataclass

@@ -93,14 +93,17 @@ def _confidence(logits: np.ndarray) -> float:
 
 
 class LookupDrafter:
-    """Prompt-lookup drafting: continue the most recent earlier occurrence of the
-    context's last n-gram (longest n first). Costs no model pass; its proposals are
-    deterministic, so their draft distribution is one-hot."""
+    """Prompt-lookup drafting: find where the context's last ``min_ngram`` tokens occurred
+    before, pick the occurrence whose preceding tokens match the context's furthest back
+    (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
+    model pass; its proposals are deterministic, so their draft distribution is one-hot."""
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 32, min_match: int | None = None):
+        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``)."""
         self.vocab_size = vocab_size
-        self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.min_match = min_match or min_ngram
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
@@ -112,13 +115,24 @@ class LookupDrafter:
         return Draft(tokens, probs, time.perf_counter() - start)
 
     def lookup(self, context: np.ndarray, k: int) -> list[int]:
-        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
-            if len(hits):
-                begin = hits[-1] + n
-                return [int(t) for t in context[begin:begin + k]]
-        return []
+        n = self.min_ngram
+        if len(context) <= n:
+            return []
+        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+        best, best_length = -1, -1
+        for hit in hits[::-1]:
+            length = self._match_length(context, int(hit) + n)
+            if length > best_length:
+                best, best_length = int(hit) + n, length
+        return [int(t) for t in context[best:best + k]] if best_length >= self.min_match else []
+
+    def _match_length(self, context: np.ndarray, end: int) -> int:
+        """How many tokens before ``end`` equal the context's last tokens (capped at ``max_ngram``)."""
+        length, limit = 0, min(self.max_ngram, end)
+        while length < limit and context[end - 1 - length] == context[len(context) - 1 - length]:
+            length += 1
+        return length
 
     def rollback(self, accepted: Sequence[int]) -> None:
         pass

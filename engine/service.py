@@ -28,10 +28,14 @@ from engine.textstream import IncrementalDecoder
 from engine.vocab import Vocabulary
 
 T = TypeVar("T")
-MODES = ("speculative", "autoregressive", "pld", "hybrid", "best")
-# "best": the fastest exact configuration measured on this machine (README, Benchmarks).
-BEST_K = 6
-BEST_P_MIN = 0.3
+MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
+# "best": the fastest exact configuration measured on this machine (README, Benchmarks):
+# hybrid drafting at K=4.
+BEST_K = 4
+# "adaptive": stop drafting below this draft confidence; K moves between 1 and the request's K.
+ADAPTIVE_P_MIN = 0.3
+# hybrid: prompt lookup only where at least this many tokens match, else the draft model.
+HYBRID_MIN_MATCH = 4
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
 # on this machine the acceptance it costs outweighs the cheaper draft pass (README, Benchmarks).
 DRAFT_VOCAB: int | None = None
@@ -98,12 +102,12 @@ class Engine:
         """One drafter per speculative mode; the model drafters share the draft's KV cache."""
         drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size)}
         if self.draft is not None:
-            lookup = LookupDrafter(self.target.vocab_size, min_ngram=2)
+            lookup = LookupDrafter(self.target.vocab_size, min_match=HYBRID_MIN_MATCH)
             vocab = self.target.vocab_size
-            drafters["speculative"] = ModelDrafter(self.draft, vocab_size=vocab)
-            drafters["hybrid"] = HybridDrafter(lookup, ModelDrafter(self.draft, vocab_size=vocab))
-            drafters["best"] = HybridDrafter(
-                lookup, ModelDrafter(self.draft, p_min=BEST_P_MIN, adaptive=True, vocab_size=vocab))
+            model = ModelDrafter(self.draft, vocab_size=vocab)
+            drafters["speculative"] = model
+            drafters["adaptive"] = ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=vocab)
+            drafters["hybrid"] = drafters["best"] = HybridDrafter(lookup, model)
         return drafters
 
     @property

@@ -41,8 +41,8 @@ def make_drafter(kind: str, pair):
     if kind == "small-head":
         return ModelDrafter(Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200), vocab_size=vocab)
     if kind == "lookup":
-        return LookupDrafter(vocab)
-    return HybridDrafter(LookupDrafter(vocab, min_ngram=2), model)
+        return LookupDrafter(vocab, min_ngram=1)
+    return HybridDrafter(LookupDrafter(vocab), model)
 
 
 def _reset(drafter) -> None:
