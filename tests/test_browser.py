@@ -77,11 +77,11 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine):
     page = open_app(engine)
     page.fill("#max-new-tokens input[type=number]", "96")
     page.press("#max-new-tokens input[type=number]", "Enter")
-    send(page, "def add(a, b):", "speculative")
+    send(page, "def add(a, b):", "best")  # the default mode
     seen = page.evaluate("window.seen")
     assert len([a for a in seen["answer"] if a]) >= 3, "the answer did not stream"
     assert len(seen["metrics"]) >= 3, "the metrics did not change while streaming"
-    assert "%" in page.inner_text("#metrics")  # acceptance, shown in speculative mode only
+    assert "%" in page.inner_text("#metrics")  # acceptance, shown in drafting modes only
 
     page.locator("#mode").get_by_text("autoregressive", exact=True).click()
     send(page, "for i in range(10):", "autoregressive")
