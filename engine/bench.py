@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--paper", action="store_true", help="reproduce the seed paper's experiments")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft head over the first N token ids only (FR-Spec style); default: all")
     args = parser.parse_args(argv)
     try:
         if args.paper:
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             run_paper(args)
             return 0
         target, draft = prepare_from_args(args)
-        engine = Engine(target.path, draft.path)
+        engine = Engine(target.path, draft.path, draft_vocab=args.draft_vocab)
         modes = args.modes.split(",")
         unknown = set(modes) - {*OWN_MODES, "genai-ar", "genai-sd"}
         if unknown:

@@ -219,12 +219,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
     parser.add_argument("--all-layers", action="store_true", help="compress embeddings and lm_head to int4 too")
+    parser.add_argument("--sym", action="store_true", help="symmetric int4/int8 weights (default asymmetric)")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/specchat")
 
 
 def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, PreparedModel]:
     def compression(precision: str) -> Compression:
-        return Compression(precision, args.group_size, args.ratio, args.all_layers)
+        return Compression(precision, args.group_size, args.ratio, args.all_layers, args.sym)
 
     cache_dir = args.cache_dir or default_cache_dir()
     return prepare_pair(args.target, args.draft, compression(args.target_precision),
