@@ -1,4 +1,6 @@
-"""The page in a real Chromium: tokens stream, metrics move, the mode toggles. Saves the README screenshot."""
+"""The page in a real Chromium: tokens stream, metrics move, the mode toggles.
+
+On the real default pair (where it is prepared) it also takes the README screenshot."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -73,7 +75,7 @@ def send(page, message: str, mode: str) -> None:
     assert page.get_attribute("#metrics .metrics", "data-mode") == mode
 
 
-def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine):
+def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_path):
     page = open_app(engine)
     page.fill("#max-new-tokens input[type=number]", "96")
     page.press("#max-new-tokens input[type=number]", "Enter")
@@ -98,6 +100,21 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine):
     send(page, example["prompt"], "speculative")
     assert page.locator('#chatbot [data-testid="bot"]').count() == 1
     assert page.locator("#chatbot .token-view .tok").count() > 0
+    page.wait_for_timeout(500)  # the plot's last redraw
+    page.screenshot(path=str(tmp_path / "tiny.png"))
+    assert (tmp_path / "tiny.png").stat().st_size > 10_000
+
+
+@pytest.mark.real
+def test_real_pair_answers_in_the_browser_and_the_screenshot_is_taken(open_app, real_pair):
+    from engine.service import Engine
+
+    page = open_app(Engine(*real_pair))
+    page.get_by_label("Colour tokens by provenance").check()
+    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
+    page.get_by_role("button", name=example["label"]).click()
+    send(page, example["prompt"], "best")
+    assert "class" in page.locator('#chatbot [data-testid="bot"]').inner_text()
     page.wait_for_timeout(500)  # the plot's last redraw
     page.screenshot(path=str(SCREENSHOT))
     assert SCREENSHOT.stat().st_size > 10_000
