@@ -7,11 +7,14 @@ and OpenVINO IR folders carry a Hugging Face tokenizer.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
 from engine.sources import Kind, Source
+
+_PADDING = re.compile(r"\[PAD\d+\]")
 
 
 def _gguf_field(path: Path, name: str):
@@ -54,9 +57,10 @@ class Vocabulary:
     digest: str
 
     @classmethod
-    def of(cls, source: Source) -> "Vocabulary":
+    def of(cls, source: Source) -> Vocabulary:
         tokens = _gguf_tokens(source.path) if source.kind == Kind.GGUF else _hf_tokens(source.path)
-        # Padding rows past the real vocabulary differ between formats; compare the real tokens.
+        # GGUF pads its token list to the embedding rows with "[PADn]"; a tokenizer has no such rows.
+        tokens = [t for t in tokens if not _PADDING.fullmatch(t)]
         return cls(len(tokens), hashlib.sha256("\n".join(tokens).encode()).hexdigest())
 
     def describe(self) -> str:

@@ -7,7 +7,6 @@ from scipy import stats as scipy_stats
 
 from engine.decoding import DecodeConfig, decode
 from engine.drafters import HybridDrafter, LookupDrafter, ModelDrafter
-from engine.errors import ContextLimitError
 from engine.metrics import Stats
 from engine.runtime import EXACT_CONFIG, Runtime
 from engine.sampling import SamplingParams, logits_to_probs

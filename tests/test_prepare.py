@@ -19,6 +19,8 @@ from engine.convert import Compression
 from engine.errors import PrepareError
 from engine.prepare import prepare_one
 from engine.runtime import EXACT_CONFIG, Runtime
+from engine.sources import Kind, Source
+from engine.vocab import Vocabulary
 from tests.gguf_writer import write_gguf
 from tests.tiny import build_model, build_tokenizer
 
@@ -64,6 +66,8 @@ def test_gguf_file_becomes_an_ir_whose_logits_match_torch(hf_target, tiny_dir, t
     assert manifest["kind"] == "gguf" and manifest["sha256"] == embedded.sha256_file(gguf)
     assert {"openvino", "nncf", "optimum-intel"} <= set(manifest["versions"])
     np.testing.assert_allclose(ov_logits(prepared.path, TOKENS), torch_logits(hf_target, TOKENS), atol=0.05)
+    # a GGUF target and a Hugging Face draft of one tokenizer pass the pair check
+    assert Vocabulary.of(Source("g", Kind.GGUF, gguf)) == Vocabulary.of(Source("h", Kind.HF_FOLDER, hf_target))
 
 
 @pytest.mark.parametrize("precision,min_correlation", [("int8", 0.99), ("int4", 0.8)])
