@@ -110,5 +110,8 @@ def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k:
         n, token = accept_draft(draft.tokens, draft.probs, logits_to_probs(logits, params), rng)
     stats.drafted += len(draft.tokens)
     stats.accepted += n
-    last = Provenance.BONUS if n == len(draft.tokens) else Provenance.TARGET
+    if not draft.tokens:  # e.g. prompt lookup found nothing: a plain target step
+        last = Provenance.AUTOREGRESSIVE
+    else:
+        last = Provenance.BONUS if n == len(draft.tokens) else Provenance.TARGET
     return Round(draft.tokens[:n] + [token], [Provenance.DRAFT] * n + [last])
