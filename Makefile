@@ -35,7 +35,7 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
-		--modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
+		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
 
 paper: setup
 	$(PY) -m engine.bench --paper $(ARGS)
