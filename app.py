@@ -105,12 +105,12 @@ def legend_html() -> str:
     return f'<div class="legend">{items}</div>'
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
 def _seconds(s: float | None) -> str:

@@ -25,7 +25,7 @@ from engine.runtime import TARGET_CONFIG, Runtime
 from engine.sampling import SamplingParams
 from engine.sources import Kind, Source
 from engine.textstream import IncrementalDecoder
-from engine.vocab import Vocabulary
+from engine.vocab import Vocabulary, tokenizer_tokens
 
 T = TypeVar("T")
 MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
@@ -83,9 +83,9 @@ class Engine:
         logits for the first N token ids only (None: all)."""
         from transformers import AutoTokenizer
 
-        if draft_dir is not None:
-            check_same_vocabulary(Path(target_dir), Path(draft_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        if draft_dir is not None:
+            check_same_vocabulary(Path(target_dir), self.tokenizer, Path(draft_dir))
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
         self.draft = Runtime(Path(draft_dir), device, draft_config or {}, vocab_limit=draft_vocab) if draft_dir else None
         self.drafters = self._drafters()
@@ -250,8 +250,9 @@ def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
     return ids
 
 
-def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
-    t, d = (Vocabulary.of(Source(str(p), Kind.OV_IR, p)) for p in (target_dir, draft_dir))
+def check_same_vocabulary(target_dir: Path, target_tokenizer, draft_dir: Path) -> None:
+    t = Vocabulary.of_tokens(tokenizer_tokens(target_tokenizer))
+    d = Vocabulary.of(Source(str(draft_dir), Kind.OV_IR, draft_dir))
     if t.digest != d.digest:
         raise TokenizerMismatchError(
             f"the draft {draft_dir} ({d.describe()}) does not share the tokenizer of the target "

@@ -47,8 +47,12 @@ def _hf_tokens(folder: Path) -> list[str]:
         tok = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # transformers raises OSError, ValueError, ...
         raise PrepareError(f"{folder}: cannot load its tokenizer ({exc})") from exc
-    by_id = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    return [token for token, _ in by_id]
+    return tokenizer_tokens(tok)
+
+
+def tokenizer_tokens(tokenizer) -> list[str]:
+    """A Hugging Face tokenizer's tokens, ordered by id."""
+    return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,10 @@ class Vocabulary:
 
     @classmethod
     def of(cls, source: Source) -> Vocabulary:
-        tokens = _gguf_tokens(source.path) if source.kind == Kind.GGUF else _hf_tokens(source.path)
+        return cls.of_tokens(_gguf_tokens(source.path) if source.kind == Kind.GGUF else _hf_tokens(source.path))
+
+    @classmethod
+    def of_tokens(cls, tokens: list[str]) -> Vocabulary:
         # GGUF pads its token list to the embedding rows with "[PADn]"; a tokenizer has no such rows.
         tokens = [t for t in tokens if not _PADDING.fullmatch(t)]
         return cls(len(tokens), hashlib.sha256("\n".join(tokens).encode()).hexdigest())
