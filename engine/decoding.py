@@ -3,7 +3,9 @@
 Both modes share one loop and one sampling rule. A speculative round drafts K
 tokens, scores all K+1 positions with one target pass, applies the accept/reject
 rule, then rolls both KV caches back to the accepted prefix before anything is
-yielded, so stopping between rounds always leaves the caches consistent.
+yielded, so stopping between rounds always leaves the caches consistent. The first
+round of every request is a plain target step over the prompt, in every mode, so
+greedy speculative decoding runs the very passes autoregressive decoding runs.
 """
 from __future__ import annotations
 
@@ -63,7 +65,10 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
         if room <= 0:
             stats.finish_reason = "context"
             return
-        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, room - 1) if speculative else 0
+        # The first round prefills the prompt alone, as autoregressive decoding does: a pass over
+        # many tokens may round differently from passes over a few, while a verify pass of up to
+        # K+1 tokens computes each row exactly as single steps do (tests/test_runtime.py).
+        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, room - 1) if speculative and stats.rounds else 0
         round_ = _speculative_round(target, drafter, context, k, config.sampling, rng, stats) if k > 0 \
             else _autoregressive_step(target, context, config.sampling, rng, stats)
         stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)

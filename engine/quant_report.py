@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.convert import Compression
-from engine.prepare import default_cache_dir, prepare_one
+from engine.prepare import compression_from_args, default_cache_dir, prepare_one
 from engine.runtime import Runtime
 
 PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "coding.jsonl"
@@ -61,7 +60,7 @@ def run_report(args: argparse.Namespace) -> list[dict]:
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     rows = []
     for role, spec in (("target", args.target), ("draft", args.draft)):
-        irs = {p: prepare_one(spec, Compression(p, args.group_size, args.ratio, args.all_layers, args.sym), cache).path
+        irs = {p: prepare_one(spec, compression_from_args(args, role, p), cache).path
                for p in ("fp16", "int8", "int4")}
         reference = Runtime(irs["fp16"], config={"INFERENCE_PRECISION_HINT": "f32"})
         sequences = _sequences(reference, AutoTokenizer.from_pretrained(irs["fp16"]), prompts)

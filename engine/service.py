@@ -21,7 +21,7 @@ from engine.decoding import DecodeConfig, Provenance, decode
 from engine.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.errors import EngineError, TokenizerMismatchError
 from engine.metrics import Stats
-from engine.runtime import TARGET_CONFIG, Runtime
+from engine.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.sampling import SamplingParams
 from engine.sources import Kind, Source
 from engine.textstream import IncrementalDecoder
@@ -78,8 +78,7 @@ class Engine:
     def __init__(self, target_dir: Path, draft_dir: Path | None = None, device: str = "CPU",
                  config: dict | None = None, draft_config: dict | None = None, draft_vocab: int | None = DRAFT_VOCAB):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
-        :data:`TARGET_CONFIG` for the target, the plugin's fastest defaults for the draft,
-        whose rounding cannot change the output). ``draft_vocab``: the draft head computes
+        :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
         logits for the first N token ids only (None: all)."""
         from transformers import AutoTokenizer
 
@@ -87,7 +86,7 @@ class Engine:
         if draft_dir is not None:
             check_same_vocabulary(Path(target_dir), self.tokenizer, Path(draft_dir))
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
-        self.draft = Runtime(Path(draft_dir), device, draft_config or {}, vocab_limit=draft_vocab) if draft_dir else None
+        self.draft = Runtime(Path(draft_dir), device, DRAFT_CONFIG if draft_config is None else draft_config, vocab_limit=draft_vocab) if draft_dir else None
         self.drafters = self._drafters()
         for runtime in (self.target, self.draft):
             if runtime is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.convert import Compression
-from engine.prepare import prepare_one
+from engine.prepare import draft_compression, prepare_one
 from engine.runtime import EXACT_CONFIG
 from tests.tiny import build_model, build_tokenizer
 
@@ -70,11 +70,12 @@ def real_pair():
     from engine.sources import resolve
 
     cache = default_cache_dir()
-    dirs = [cached(entry_dir(cache, resolve(s), Compression("int4"))) for s in (DEFAULT_TARGET, DEFAULT_DRAFT)]
+    compressions = {DEFAULT_TARGET: Compression("int4"), DEFAULT_DRAFT: draft_compression()}
+    dirs = [cached(entry_dir(cache, resolve(s), c)) for s, c in compressions.items()]
     if not all(dirs) and not os.environ.get("SPECCHAT_PREPARE_REAL"):
         pytest.skip("the default pair is not prepared (python -m engine.prepare)")
     if not all(dirs):
         from engine.prepare import prepare_pair
 
-        dirs = prepare_pair(DEFAULT_TARGET, DEFAULT_DRAFT, Compression("int4"), Compression("int4"), cache)
+        dirs = prepare_pair(DEFAULT_TARGET, DEFAULT_DRAFT, *compressions.values(), cache)
     return tuple(d.path for d in dirs)

@@ -1,0 +1,41 @@
+"""The property exact greedy speculative decoding rests on: a verify pass computes each row
+bit for bit as single-token steps do, at the target's engine settings."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.decoding import DecodeConfig, decode
+from engine.drafters import ModelDrafter
+from engine.metrics import Stats
+from engine.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
+
+
+@pytest.fixture(scope="module")
+def target(ir_target):
+    return Runtime(ir_target, config=TARGET_CONFIG)
+
+
+@pytest.mark.parametrize("m", [2, 5, 9, 17])
+def test_verify_rows_equal_single_steps_bit_for_bit(target, m):
+    prefix, tokens = list(range(3, 40)), list(range(100, 100 + m))
+    target.reset()
+    target.forward(prefix)
+    singles = np.stack([target.forward([t])[-1] for t in tokens])
+    target.trim(len(prefix))
+    np.testing.assert_array_equal(target.forward(tokens, rows=m), singles)
+
+
+def test_speculative_prefills_the_prompt_alone_then_verifies_at_most_k_plus_one(target, ir_draft):
+    """The prompt goes through the same single pass as in autoregressive decoding."""
+    sizes = []
+    forward = target.forward
+    target.forward = lambda new, rows=1: sizes.append(len(new)) or forward(new, rows)
+    try:
+        drafter = ModelDrafter(Runtime(ir_draft, config=DRAFT_CONFIG))
+        prompt = list(range(5, 60))
+        target.reset()
+        list(decode(target, drafter, prompt, DecodeConfig(k=4, max_new_tokens=30), Stats("t")))
+    finally:
+        del target.forward
+    assert sizes[0] == len(prompt) and all(1 <= s <= 5 for s in sizes[1:])
