@@ -8,8 +8,8 @@ Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model
 ``hybrid`` (prompt lookup where it matches, else the draft model), ``best`` (the app's
 default: the fastest exact configuration), ``genai-ar`` / ``genai-sd``
 (openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``).
-Modes that draft run once per K, except ``best``, which picks its own. Every run
-starts with empty KV caches and greedy decoding.
+Modes that draft run once per K, except ``pld`` (it copies up to its own span) and
+``best`` (it picks its own K). Every run starts with empty KV caches and greedy decoding.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from engine.errors import EngineError
 from engine.prepare import add_model_arguments, prepare_from_args
 from engine.service import Engine, Request
 
-NEAR_TIE = 0.05
+NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "adaptive": "adaptive", "pld": "pld", "hybrid": "hybrid",
              "best": "best"}
-PER_K = {"sd", "adaptive", "pld", "hybrid", "genai-sd"}  # a divergence is acceptable only where the target's top-2 logit margin is below this
+PER_K = {"sd", "adaptive", "hybrid", "genai-sd"}  # run once per --k; pld copies its own span, best picks its K
 
 
 @dataclass
@@ -161,12 +161,12 @@ def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], 
         prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
         ar = None
         for mode in modes:
-            for k in (ks if mode in PER_K else [0]):
+            for k in (ks if mode in PER_K else [ks[0]]):
                 label = f"{mode}-k{k}" if mode in PER_K and len(ks) > 1 else mode
                 if mode in OWN_MODES:
                     run = own_run(engine, prompt_id, prompt_ids, OWN_MODES[mode], k, n, label)
                 else:
-                    tokens, wall, ttft = peers[mode].run(prompt_ids, n, k or None)
+                    tokens, wall, ttft = peers[mode].run(prompt_ids, n, k if mode in PER_K else None)
                     run = Run(prompt_id, label, tokens, engine.tokenizer.decode(tokens, skip_special_tokens=True),
                               wall, ttft, len(tokens))
                 if mode == "ar":

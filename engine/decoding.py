@@ -66,10 +66,11 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
             stats.finish_reason = "context"
             return
         # The first round prefills the prompt alone, as autoregressive decoding does: a pass over
-        # many tokens may round differently from passes over a few, while a verify pass of up to
-        # K+1 tokens computes each row exactly as single steps do (tests/test_runtime.py).
-        k = min(config.k, config.max_new_tokens - stats.new_tokens - 1, room - 1) if speculative and stats.rounds else 0
-        round_ = _speculative_round(target, drafter, context, k, config.sampling, rng, stats) if k > 0 \
+        # many tokens may round differently from passes over a few, while a verify pass (up to 32
+        # tokens measured) computes each row exactly as single steps do (tests/test_runtime.py).
+        limit = min(config.max_new_tokens - stats.new_tokens - 1, room - 1)  # drafted tokens that fit
+        round_ = _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats) \
+            if speculative and stats.rounds and limit > 0 \
             else _autoregressive_step(target, context, config.sampling, rng, stats)
         stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)
         if stop_at is not None:
@@ -104,9 +105,9 @@ def _autoregressive_step(target: Runtime, context: list[int], params: SamplingPa
     return Round([next_token(logits[-1], params, rng)], [Provenance.AUTOREGRESSIVE])
 
 
-def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k: int, params: SamplingParams,
-                       rng: np.random.Generator, stats: Stats) -> Round:
-    draft = drafter.propose(context, k, params, rng)
+def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k: int, limit: int,
+                       params: SamplingParams, rng: np.random.Generator, stats: Stats) -> Round:
+    draft = drafter.propose(context, min(k, limit), params, rng).head(limit)
     stats.draft_seconds += draft.seconds
     logits = _target_logits(target, context + draft.tokens, len(draft.tokens) + 1, stats)
     if params.greedy:

@@ -19,10 +19,16 @@ class Draft:
     probs: np.ndarray | None  # [len(tokens), V]: the distribution each token was drawn from (None when greedy)
     seconds: float
 
+    def head(self, n: int) -> Draft:
+        """The first ``n`` drafted tokens (the loop caps a draft at the token budget)."""
+        return self if len(self.tokens) <= n else Draft(
+            self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
+
 
 class Drafter(Protocol):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        """Propose up to ``k`` tokens to follow ``context``."""
+        """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
+        whose proposals cost nothing may propose more)."""
 
     def rollback(self, accepted: Sequence[int]) -> None:
         """Forget every cached token that is not a prefix of ``accepted``."""
@@ -98,16 +104,20 @@ class LookupDrafter:
     (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
     model pass; its proposals are deterministic, so their draft distribution is one-hot."""
 
-    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 32, min_match: int | None = None):
-        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``)."""
+    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 32, min_match: int | None = None,
+                 span: int | None = None):
+        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
+        ``span``: copy up to this many tokens per round (default: the round's k). A copied run
+        costs no draft pass, only verify rows, so it pays to copy further than a model drafts."""
         self.vocab_size = vocab_size
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.min_match = min_match or min_ngram
+        self.span = span
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
-        tokens = self.lookup(np.asarray(context), k)
+        tokens = self.lookup(np.asarray(context), self.span or k)
         probs = None
         if not params.greedy:
             probs = np.zeros((len(tokens), self.vocab_size))

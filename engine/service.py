@@ -36,6 +36,9 @@ BEST_K = 4
 ADAPTIVE_P_MIN = 0.3
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
+# Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
+# run costs only verify rows (a 17-token verify ~2x a one-token step; README, Benchmarks).
+LOOKUP_SPAN = 16
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
 # on this machine the acceptance it costs outweighs the cheaper draft pass (README, Benchmarks).
 DRAFT_VOCAB: int | None = None
@@ -99,9 +102,9 @@ class Engine:
 
     def _drafters(self) -> dict[str, Drafter]:
         """One drafter per speculative mode; the model drafters share the draft's KV cache."""
-        drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size)}
+        drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size, span=LOOKUP_SPAN)}
         if self.draft is not None:
-            lookup = LookupDrafter(self.target.vocab_size, min_match=HYBRID_MIN_MATCH)
+            lookup = LookupDrafter(self.target.vocab_size, min_match=HYBRID_MIN_MATCH, span=LOOKUP_SPAN)
             vocab = self.target.vocab_size
             model = ModelDrafter(self.draft, vocab_size=vocab)
             drafters["speculative"] = model

@@ -25,7 +25,7 @@ def pair(ir_target, ir_draft):
     return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(Runtime(ir_draft, config=EXACT_CONFIG))
 
 
-DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid"]
+DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid", "hybrid-span"]
 
 
 def make_drafter(kind: str, pair):
@@ -41,6 +41,8 @@ def make_drafter(kind: str, pair):
         return ModelDrafter(Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200), vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab, min_ngram=1)
+    if kind == "hybrid-span":  # lookup copies further than K, and past the token budget
+        return HybridDrafter(LookupDrafter(vocab, min_ngram=1, span=12), model)
     return HybridDrafter(LookupDrafter(vocab), model)
 
 
@@ -103,7 +105,7 @@ def test_logits_after_trim_equal_a_fresh_run(pair, tok):
     np.testing.assert_array_equal(after_trim, fresh)
 
 
-@pytest.mark.parametrize("kind", ["model", "small-head", "hybrid"])
+@pytest.mark.parametrize("kind", ["model", "small-head", "hybrid", "hybrid-span"])
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
     """Chi-square over two-token outcomes: speculative samples fit the target's p, the draft's do not."""
     target, model = pair
