@@ -241,8 +241,9 @@ def run_stats(m: dict) -> str:
         return ""
     line = (f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s"
             f" · TTFT {_seconds(m['ttft_s'])}")
-    if m["mode"] == "speculative":
-        line += f" · acceptance {m['acceptance_rate']:.0%} · mean accepted length {m['mean_accepted_length']:.2f}"
+    if m["mode"] != "autoregressive":
+        line = (f"mode **{m['mode']}** · {line} · acceptance {m['acceptance_rate']:.0%}"
+                f" · mean accepted length {m['mean_accepted_length']:.2f}")
     return line
 
 
@@ -271,8 +272,10 @@ def speed_frame(finals: dict) -> pd.DataFrame | None:
     return pd.DataFrame(rows, columns=["mode", "tokens_per_s"]).astype({"mode": str, "tokens_per_s": float})
 
 
-def compare(engine, prompt, k, temperature, top_p, max_new_tokens, seed):
-    """Autoregressive, then speculative, on the same prompt with fresh caches; both stream."""
+def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
+    """Autoregressive, then the sidebar's speculative mode (the default one if the sidebar says
+    autoregressive), on the same prompt with fresh caches; both stream."""
+    fast = mode if mode != "autoregressive" else engine.modes[0]
     messages = ({"role": "user", "content": prompt},)
     texts = {"autoregressive": "", "speculative": ""}
     metrics = {"autoregressive": {}, "speculative": {}}
@@ -282,20 +285,20 @@ def compare(engine, prompt, k, temperature, top_p, max_new_tokens, seed):
         return (texts["autoregressive"], texts["speculative"], run_stats(metrics["autoregressive"]),
                 run_stats(metrics["speculative"]), verdict_html(finals, float(temperature)), speed_frame(finals))
 
-    for mode in ("autoregressive", "speculative"):
-        events = engine.generate(make_request(messages, mode, k, temperature, top_p, max_new_tokens, seed,
+    for side, run_mode in (("autoregressive", "autoregressive"), ("speculative", fast)):
+        events = engine.generate(make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed,
                                               reuse_cache=False))
         try:
             for event in events:
                 if event.kind == "error":
                     gr.Warning(event.error)
-                    texts[mode] = f"⚠️ **Could not answer:** {event.error}"
+                    texts[side] = f"⚠️ **Could not answer:** {event.error}"
                     yield outputs()
                     return
-                texts[mode] += event.text
-                metrics[mode] = event.metrics
+                texts[side] += event.text
+                metrics[side] = event.metrics
                 if event.final:
-                    finals[mode] = event
+                    finals[side] = event
                 yield outputs()
         finally:
             events.close()
@@ -384,8 +387,8 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
                         example_labels=[e["label"] for e in examples], label="Examples")
 
         with gr.Tab("Compare"):
-            gr.Markdown("One prompt, autoregressive then speculative on the same engine (fresh caches each); "
-                        "settings from the sidebar.")
+            gr.Markdown("One prompt, autoregressive then the sidebar's speculative mode on the same engine "
+                        "(fresh caches each); settings from the sidebar.")
             prompt = gr.Textbox(label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "")
             with gr.Row():
                 run_compare = gr.Button("Compare", variant="primary")
@@ -426,7 +429,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
 
         compare_out = [ar_text, sd_text, ar_stats, sd_stats, verdict, speed_bars]
         compare_events = [
-            run_compare.click(partial(compare, engine), [prompt, k, temperature, top_p, max_new_tokens, seed],
+            run_compare.click(partial(compare, engine), [prompt, *settings],
                               compare_out, api_name="compare", **ENGINE_QUEUE),
             run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table",
                             **ENGINE_QUEUE),

@@ -180,11 +180,11 @@ def test_over_long_message_shows_an_error_and_the_app_keeps_answering(client, en
 
 # -- compare tab ------------------------------------------------------------------------------
 def test_compare_streams_both_modes_and_greedy_outputs_are_identical(client):
-    job = client.submit("def add(a, b):", 4, 0.0, 1.0, 48, -1, api_name="/compare")
+    job = client.submit("def add(a, b):", "hybrid", 4, 0.0, 1.0, 48, -1, api_name="/compare")
     ar_text, sd_text, ar_stats, sd_stats, verdict, bars = job.result(timeout=60)
     assert len(job.outputs()) >= 4
     assert ar_text and ar_text == sd_text
-    assert "tokens/s" in ar_stats and "acceptance" in sd_stats
+    assert "tokens/s" in ar_stats and "acceptance" in sd_stats and "hybrid" in sd_stats
     assert "identical output" in verdict and "speedup" in verdict
     assert [row[0] for row in bars["data"]] == ["autoregressive", "speculative"]
 
