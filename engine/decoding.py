@@ -10,9 +10,9 @@ greedy speculative decoding runs the very passes autoregressive decoding runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterator, Sequence
 
 import numpy as np
 

@@ -4,8 +4,9 @@ lookup, adaptive length, a cheaper draft head) plug in without touching it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -7,8 +7,8 @@ states: nothing already computed is computed again.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import openvino as ov

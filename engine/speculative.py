@@ -6,7 +6,7 @@ tokens sampled from p one at a time.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
