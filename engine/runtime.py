@@ -80,16 +80,30 @@ def _shrink_vocabulary(model: ov.Model, rows: int) -> None:
             if source.get_type_name() != "Constant":
                 pending.append(source)
                 continue
-            data = source.get_data()
+            shape, kind = list(source.get_output_shape(0)), source.get_output_element_type(0)
             if node.get_type_name() == "Reshape" and port.get_index() == 1:
-                data = np.where(data == vocab, rows, data)
-            elif data.ndim and data.shape[0] == vocab:
-                data = data[:rows]
+                sliced = ops.constant(np.where(source.get_data() == vocab, rows, source.get_data()), kind)
+            elif shape and shape[0] == vocab:
+                sliced = _first_rows(source, rows)
             else:
                 continue
-            sliced = ops.constant(np.ascontiguousarray(data), source.get_output_element_type(0))
             port.replace_source_output(sliced.output(0))
     model.validate_nodes_and_infer_types()
+
+
+def _first_rows(constant: ov.Node, rows: int) -> ov.Node:
+    """A constant holding the first ``rows`` rows of ``constant``; 4-bit data comes packed two
+    values per byte, rows not necessarily byte-aligned, so it is unpacked and repacked."""
+    shape, kind = list(constant.get_output_shape(0)), constant.get_output_element_type(0)
+    data = constant.get_data()
+    if kind.bitwidth != 4:
+        return ops.constant(np.ascontiguousarray(data[:rows]), kind)
+    count = rows * int(np.prod(shape[1:]))
+    values = np.stack([data & 0x0F, data >> 4], axis=1).reshape(-1)[:count]
+    values = np.pad(values, (0, count % 2))
+    tensor = ov.Tensor(kind, [rows, *shape[1:]])
+    tensor.data[:] = (values[0::2] | (values[1::2] << 4)).reshape(tensor.data.shape)
+    return ov.op.Constant(tensor)
 
 
 class Runtime:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from engine.prepare import draft_compression, prepare_one
 from engine.runtime import EXACT_CONFIG, Runtime
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.speculative import accept_draft, accept_greedy
@@ -33,9 +35,11 @@ def test_a_rejected_token_is_resampled_from_the_residual():
     assert {t for n, t in outcomes if n == 0} == {0}  # residual max(0, p - q) is all on token 0
 
 
-def test_reduced_draft_head_gives_the_first_ids_logits_unchanged(ir_draft):
-    full = Runtime(ir_draft, config=EXACT_CONFIG)
-    small = Runtime(ir_draft, config=EXACT_CONFIG, vocab_limit=100)
+@pytest.mark.parametrize("head", ["fp16", "int4 (packed, rows not byte-aligned)"])
+def test_reduced_draft_head_gives_the_first_ids_logits_unchanged(head, ir_draft, hf_draft, tiny_cache):
+    ir = ir_draft if head == "fp16" else prepare_one(str(hf_draft), draft_compression(group_size=64), tiny_cache).path
+    full = Runtime(ir, config=EXACT_CONFIG)
+    small = Runtime(ir, config=EXACT_CONFIG, vocab_limit=101)
     tokens = [5, 17, 42, 99, 3, 77]
-    assert small.vocab_size == 100
-    np.testing.assert_allclose(small.forward(tokens, rows=6), full.forward(tokens, rows=6)[:, :100], atol=1e-5)
+    assert small.vocab_size == 101
+    np.testing.assert_allclose(small.forward(tokens, rows=6), full.forward(tokens, rows=6)[:, :101], atol=1e-5)
