@@ -84,8 +84,9 @@ class ModelDrafter:
         self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
         if self.adaptive and self._last is not None:
             start, proposal = self._last
-            kept = common_prefix(proposal, accepted[start:])
-            self._k = (self._k or len(proposal)) + 2 if kept == len(proposal) else max(1, (self._k or len(proposal)) - 1)
+            current = self._k or len(proposal)
+            fully_accepted = common_prefix(proposal, accepted[start:]) == len(proposal)
+            self._k = current + 2 if fully_accepted else max(1, current - 1)
             self._last = None
 
     @property

@@ -227,8 +227,9 @@ def draft_compression(precision: str = "int4", group_size: int = 128, ratio: flo
                       sym: bool = False) -> Compression:
     """The draft's embeddings and vocabulary projection go to int4 with its layers: the draft's
     rounding cannot change the output, and the int4 head makes a draft step about a quarter
-    cheaper on this CPU (README, Benchmarks)."""
-    return Compression(precision, group_size, ratio, all_layers=True, sym=sym)
+    cheaper on this CPU (README, Benchmarks). Only int4 has that option, so other precisions
+    keep the plain settings (and the same cache entry)."""
+    return Compression(precision, group_size, ratio, all_layers=precision == "int4", sym=sym)
 
 
 def compression_from_args(args: argparse.Namespace, role: str, precision: str) -> Compression:

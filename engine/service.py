@@ -220,10 +220,15 @@ class Engine:
                 runtime.reset()
 
     def top2_margin(self, prompt: list[int], prefix: list[int]) -> float:
-        """The target's top-2 logit gap after ``prompt + prefix`` (one fresh pass): how near a tie that step was."""
+        """The target's top-2 logit gap after ``prompt + prefix``: how near a tie that step was.
+
+        Computed as autoregressive decoding computes it (the prompt alone, then one token per
+        step), since one pass over many tokens rounds differently."""
         def measure() -> float:
             self.target.reset()
-            logits = self.target.score([*prompt, *prefix])[-1]
+            logits = self.target.forward(prompt)[-1]
+            for token in prefix:
+                logits = self.target.forward([token])[-1]
             top = np.partition(logits, -2)[-2:]
             return float(abs(top[1] - top[0]))
 

@@ -186,3 +186,13 @@ def test_generation_stops_at_the_context_limit(pair, tok):
     tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=100)
     assert len(prompt) + len(tokens) <= target.max_context
     assert stats.finish_reason in ("context", "stop")
+
+
+def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, ir_target):
+    prompt, prefix = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(" return a")
+    steps = Runtime(ir_target, config=EXACT_CONFIG)
+    logits = steps.forward(prompt)[-1]
+    for token in prefix:
+        logits = steps.forward([token])[-1]
+    top = np.sort(logits)[-2:]
+    assert engine.top2_margin(prompt, prefix) == pytest.approx(float(top[1] - top[0]), abs=0)
