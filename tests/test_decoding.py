@@ -22,7 +22,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(ir_target, ir_draft):
-    return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(Runtime(ir_draft, config=EXACT_CONFIG))
+    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True)  # as the engine runs it
+    return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(draft)
 
 
 DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid", "hybrid-span"]
@@ -38,7 +39,8 @@ def make_drafter(kind: str, pair):
     if kind == "adaptive":
         return ModelDrafter(model.runtime, p_min=0.3, adaptive=True)
     if kind == "small-head":
-        return ModelDrafter(Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200), vocab_size=vocab)
+        small = Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200, masked_rollback=True)
+        return ModelDrafter(small, vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab, min_ngram=1)
     if kind == "hybrid-span":  # lookup copies further than K, and past the token budget

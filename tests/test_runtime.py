@@ -8,7 +8,7 @@ import pytest
 from engine.decoding import DecodeConfig, decode
 from engine.drafters import ModelDrafter
 from engine.metrics import Stats
-from engine.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
+from engine.runtime import DRAFT_CONFIG, EXACT_CONFIG, MAX_MASKED, TARGET_CONFIG, Runtime
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,23 @@ def test_speculative_prefills_the_prompt_alone_then_verifies_at_most_k_plus_one(
     finally:
         del target.forward
     assert sizes[0] == len(prompt) and all(1 <= s <= 5 for s in sizes[1:])
+
+
+def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
+    """The draft drops rejected entries by masking them: later steps attend to the kept tokens
+    at their own positions only, and a long run of rollbacks compacts the cache."""
+    masked = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True)
+    fresh = Runtime(ir_draft, config=EXACT_CONFIG)
+    context = list(range(3, 30))
+    masked.forward(context)
+    for step in range(40):
+        masked.forward([7, 8, 9][: 1 + step % 3], rows=1)  # drafted, then rejected
+        masked.trim(len(context) - step % 2)  # sometimes a kept token goes too
+        del context[len(masked.tokens):]
+        context.append(40 + step)
+        got = masked.forward(context[-1:])[-1]
+        fresh.reset()
+        np.testing.assert_allclose(got, fresh.forward(context)[-1], atol=1e-4)
+        assert masked.tokens == context
+        assert masked.slots <= len(context) + MAX_MASKED + 3
+    assert masked.slots > len(context), "some entries should still be masked rather than copied out"
