@@ -117,10 +117,10 @@ class Runtime:
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
-        copying the cache. Copying every state out and back in costs about a third of a decode
-        step, and the next step another third (measured: README, Benchmarks); masking costs
-        nothing, but the attention sums then run over other slots and may round differently.
-        So it is for the draft, whose rounding cannot change the output; the target trims."""
+        copying the cache. For the draft, copying every state out and back in costs about a third
+        of one of its steps, and slows its next step by as much (README, Benchmarks); masking
+        costs nothing, but the attention sums then run over other slots and may round
+        differently. So it is for the draft, whose rounding cannot change the output."""
         core = core or ov.Core()
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"
