@@ -36,6 +36,8 @@ _KV_BYTES = {"u8": 1, "i8": 1, "bf16": 2, "f16": 2, "f32": 4}
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case on every step, compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -189,11 +191,8 @@ class Runtime:
 
     def _gather(self, slots: np.ndarray) -> None:
         """Keep only the cache entries at ``slots``: a copy of every state out and back in."""
-        contiguous = len(slots) and slots[-1] == len(slots) - 1
         for state in self.request.query_state():
-            data = state.state.data
-            kept = data[:, :, : len(slots), :] if contiguous else data[:, :, slots, :]
-            state.state = ov.Tensor(np.ascontiguousarray(kept))
+            state.state = ov.Tensor(np.take(state.state.data, slots, axis=2))
         self._mask = np.ones(len(slots), dtype=np.int64)
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
