@@ -115,14 +115,20 @@ class Runtime:
     """One model, one request, one KV cache."""
 
     def __init__(self, ir_dir: Path, device: str = "CPU", config: dict | None = None, core: ov.Core | None = None,
-                 vocab_limit: int | None = None, masked_rollback: bool = False):
+                 vocab_limit: int | None = None, masked_rollback: bool = False, pass_width: int = 1):
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
         copying the cache. For the draft, copying every state out and back in costs about a third
         of one of its steps, and slows its next step by as much (README, Benchmarks); masking
         costs nothing, but the attention sums then run over other slots and may round
-        differently. So it is for the draft, whose rounding cannot change the output."""
+        differently. So it is for the draft, whose rounding cannot change the output.
+
+        ``pass_width``: :meth:`score` feeds at least this many tokens per pass, re-feeding cached
+        ones (rolled back for free when masked). The CPU plugin re-plans every layer whenever a
+        pass's token count differs from the previous pass's, which costs the draft about a quarter
+        of a step; a draft fed 2 tokens on every step (its catch-up after an accepted round needs
+        2) never pays it, and a 2-token step costs what a 1-token step does (README, Benchmarks)."""
         core = core or ov.Core()
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"
@@ -141,6 +147,7 @@ class Runtime:
         self._kv_bytes_per_token = self._kv_bytes(hf_config)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         self.masked_rollback = masked_rollback
+        self.pass_width = pass_width
         self._mask = np.ones(0, dtype=np.int64)  # one entry per cache slot: 0 = dropped
         self.passes = 0
 
@@ -163,7 +170,7 @@ class Runtime:
 
     def warm_up(self) -> None:
         """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""
-        for n in (8, 1, 5):
+        for n in sorted({8, 1, 5, self.pass_width}):
             self.forward([0] * n, rows=n)
         self.reset()
 
@@ -214,6 +221,6 @@ class Runtime:
 
     def score(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:
         """Logits at the last ``rows`` positions of ``tokens``, reusing the cached prefix."""
-        start = min(common_prefix(self.tokens, tokens), len(tokens) - rows)
+        start = max(0, min(common_prefix(self.tokens, tokens), len(tokens) - max(rows, self.pass_width)))
         self.trim(start)
         return self.forward(tokens[start:], rows)

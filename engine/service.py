@@ -43,6 +43,8 @@ LOOKUP_SPAN = 16
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
 # on this machine the acceptance it costs outweighs the cheaper draft pass (README, Benchmarks).
 DRAFT_VOCAB: int | None = None
+# Tokens per draft pass (see Runtime): one shape for every draft step.
+DRAFT_PASS_WIDTH = 2
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class Engine:
             check_same_vocabulary(Path(target_dir), self.tokenizer, Path(draft_dir))
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
         self.draft = Runtime(Path(draft_dir), device, DRAFT_CONFIG if draft_config is None else draft_config,
-                             vocab_limit=draft_vocab, masked_rollback=True) if draft_dir else None
+                             vocab_limit=draft_vocab, masked_rollback=True, pass_width=DRAFT_PASS_WIDTH) if draft_dir else None
         self.drafters = self._drafters()
         for runtime in (self.target, self.draft):
             if runtime is not None:

@@ -22,7 +22,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(ir_target, ir_draft):
-    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True)  # as the engine runs it
+    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)  # as the engine runs it
     return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(draft)
 
 
@@ -39,7 +39,7 @@ def make_drafter(kind: str, pair):
     if kind == "adaptive":
         return ModelDrafter(model.runtime, p_min=0.3, adaptive=True)
     if kind == "small-head":
-        small = Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200, masked_rollback=True)
+        small = Runtime(model.runtime.ir_dir, config=EXACT_CONFIG, vocab_limit=200, masked_rollback=True, pass_width=2)
         return ModelDrafter(small, vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab, min_ngram=1)

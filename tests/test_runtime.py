@@ -59,3 +59,25 @@ def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
         assert masked.tokens == context
         assert masked.slots <= len(context) + MAX_MASKED + 3
     assert masked.slots > len(context), "some entries should still be masked rather than copied out"
+
+
+
+def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_computes(ir_draft):
+    """A draft fed 2 tokens per pass (re-feeding one it holds, rolled back by masking) runs a
+    single shape after the prompt, whatever it is asked to score."""
+    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)
+    fresh = Runtime(ir_draft, config=EXACT_CONFIG)
+    sizes = []
+    forward = draft.forward
+    draft.forward = lambda new, rows=1: sizes.append(len(new)) or forward(new, rows)
+    context = list(range(3, 30))
+    draft.score(context)
+    for step in range(30):
+        drafted = [7, 8, 9][: 1 + step % 3]
+        for i in range(len(drafted)):
+            draft.score(context + drafted[: i + 1])
+        context = context + drafted[: step % 2] + [40 + step]  # some drafts kept, then a correction
+        got = draft.score(context)[-1]
+        fresh.reset()
+        np.testing.assert_allclose(got, fresh.forward(context)[-1], atol=1e-4)
+    assert sizes[0] == 27 and set(sizes[1:]) == {2}
