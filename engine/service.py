@@ -31,8 +31,8 @@ from engine.vocab import Vocabulary, tokenizer_tokens
 T = TypeVar("T")
 MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
 # "best": the fastest exact configuration measured on this machine (README, Benchmarks):
-# hybrid drafting at K=4.
-BEST_K = 4
+# hybrid drafting at K=3.
+BEST_K = 3
 # "adaptive": stop drafting below this draft confidence; K moves between 1 and the request's K.
 ADAPTIVE_P_MIN = 0.3
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
