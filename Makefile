@@ -34,7 +34,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not real and not browser"
 
 bench: setup
-	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4 \
+	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
 		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
 
 paper: setup

@@ -43,10 +43,10 @@ LEGEND = {
 }
 MODE_HELP = {  # where the drafts come from
     "speculative": "draft model",
-    "adaptive": "draft model, adaptive K",
+    "adaptive": "draft model, stops when unsure, adaptive K",
     "pld": "prompt lookup",
     "hybrid": "lookup, else draft model",
-    "best": "fastest measured here (hybrid, K=4)",
+    "best": "fastest measured here (hybrid; draft model up to 5 tokens, stops when unsure)",
 }
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 

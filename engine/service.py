@@ -30,11 +30,12 @@ from engine.vocab import Vocabulary, tokenizer_tokens
 
 T = TypeVar("T")
 MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
-# "best": the fastest exact configuration measured on this machine (README, Benchmarks):
-# hybrid drafting at K=3.
-BEST_K = 3
-# "adaptive": stop drafting below this draft confidence; K moves between 1 and the request's K.
-ADAPTIVE_P_MIN = 0.3
+# A draft model stops a round once its confidence in the token it drafted falls below this
+# ("adaptive" and "best"; measured against 0.3 and 0.8: README, Benchmarks).
+DRAFT_P_MIN = 0.7
+# "best": the fastest exact configuration measured on this machine (README, Benchmarks): hybrid
+# drafting whose draft model drafts up to BEST_K tokens, stopping early below DRAFT_P_MIN.
+BEST_K = 5
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
 # Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
@@ -112,8 +113,9 @@ class Engine:
             vocab = self.target.vocab_size
             model = ModelDrafter(self.draft, vocab_size=vocab)
             drafters["speculative"] = model
-            drafters["adaptive"] = ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=vocab)
-            drafters["hybrid"] = drafters["best"] = HybridDrafter(lookup, model)
+            drafters["adaptive"] = ModelDrafter(self.draft, p_min=DRAFT_P_MIN, adaptive=True, vocab_size=vocab)
+            drafters["hybrid"] = HybridDrafter(lookup, model)
+            drafters["best"] = HybridDrafter(lookup, ModelDrafter(self.draft, p_min=DRAFT_P_MIN, vocab_size=vocab))
         return drafters
 
     @property
