@@ -94,7 +94,8 @@ class Engine:
             check_same_vocabulary(Path(target_dir), self.tokenizer, Path(draft_dir))
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
         self.draft = Runtime(Path(draft_dir), device, DRAFT_CONFIG if draft_config is None else draft_config,
-                             vocab_limit=draft_vocab, masked_rollback=True, pass_width=DRAFT_PASS_WIDTH) if draft_dir else None
+                             vocab_limit=draft_vocab, masked_rollback=True,
+                             pass_width=DRAFT_PASS_WIDTH) if draft_dir else None
         self.drafters = self._drafters()
         for runtime in (self.target, self.draft):
             if runtime is not None:

@@ -61,7 +61,6 @@ def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
     assert masked.slots > len(context), "some entries should still be masked rather than copied out"
 
 
-
 def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_computes(ir_draft):
     """A draft fed 2 tokens per pass (re-feeding one it holds, rolled back by masking) runs a
     single shape after the prompt, whatever it is asked to score."""
