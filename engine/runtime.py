@@ -125,10 +125,10 @@ class Runtime:
         differently. So it is for the draft, whose rounding cannot change the output.
 
         ``pass_width``: :meth:`score` feeds at least this many tokens per pass, re-feeding cached
-        ones (rolled back for free when masked). The CPU plugin re-plans every layer whenever a
-        pass's token count differs from the previous pass's, which costs the draft about a quarter
-        of a step; a draft fed 2 tokens on every step (its catch-up after an accepted round needs
-        2) never pays it, and a 2-token step costs what a 1-token step does (README, Benchmarks)."""
+        ones (rolled back for free when masked). The CPU plugin pays a setup cost on every pass
+        whose token count differs from the previous pass's, about a quarter of a draft step; a
+        draft fed 2 tokens on every step (its catch-up after an accepted round needs 2) never pays
+        it, and a 2-token step costs what a 1-token step does (README, "How it works")."""
         core = core or ov.Core()
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"
