@@ -129,6 +129,8 @@ class Runtime:
         whose token count differs from the previous pass's, about a quarter of a draft step; a
         draft fed 2 tokens on every step (its catch-up after an accepted round needs 2) never pays
         it, and a 2-token step costs what a 1-token step does (README, "How it works")."""
+        if pass_width > 1 and not masked_rollback:
+            raise ValueError("pass_width > 1 re-feeds a cached token every step: it needs masked_rollback")
         core = core or ov.Core()
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"

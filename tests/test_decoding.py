@@ -43,7 +43,7 @@ def make_drafter(kind: str, pair):
         return ModelDrafter(small, vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab, min_ngram=1)
-    if kind == "best":  # hybrid whose draft model stops early when unsure, as the engine's "best"
+    if kind == "best":  # the engine's "best" shape: hybrid whose draft model stops early when unsure
         return HybridDrafter(LookupDrafter(vocab), ModelDrafter(model.runtime, p_min=0.3))
     if kind == "hybrid-span":  # lookup copies further than K, and past the token budget
         return HybridDrafter(LookupDrafter(vocab, min_ngram=1, span=12), model)

@@ -11,6 +11,19 @@ from engine.metrics import Stats
 from engine.runtime import DRAFT_CONFIG, EXACT_CONFIG, MAX_MASKED, TARGET_CONFIG, Runtime
 
 
+def _record_widths(runtime: Runtime) -> list[int]:
+    """The number of tokens of every pass ``runtime`` runs from now on (``del runtime.forward`` stops it)."""
+    widths: list[int] = []
+    forward = runtime.forward
+    runtime.forward = lambda new, rows=1: widths.append(len(new)) or forward(new, rows)
+    return widths
+
+
+def _assert_fresh_cache_agrees(fresh: Runtime, context: list[int], logits: np.ndarray) -> None:
+    fresh.reset()
+    np.testing.assert_allclose(logits, fresh.forward(context)[-1], atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def target(ir_target):
     return Runtime(ir_target, config=TARGET_CONFIG)
@@ -28,9 +41,7 @@ def test_verify_rows_equal_single_steps_bit_for_bit(target, m):
 
 def test_speculative_prefills_the_prompt_alone_then_verifies_at_most_k_plus_one(target, ir_draft):
     """The prompt goes through the same single pass as in autoregressive decoding."""
-    sizes = []
-    forward = target.forward
-    target.forward = lambda new, rows=1: sizes.append(len(new)) or forward(new, rows)
+    sizes = _record_widths(target)
     try:
         drafter = ModelDrafter(Runtime(ir_draft, config=DRAFT_CONFIG))
         prompt = list(range(5, 60))
@@ -53,9 +64,7 @@ def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
         masked.trim(len(context) - step % 2)  # sometimes a kept token goes too
         del context[len(masked.tokens):]
         context.append(40 + step)
-        got = masked.forward(context[-1:])[-1]
-        fresh.reset()
-        np.testing.assert_allclose(got, fresh.forward(context)[-1], atol=1e-4)
+        _assert_fresh_cache_agrees(fresh, context, masked.forward(context[-1:])[-1])
         assert masked.tokens == context
         assert masked.slots <= len(context) + MAX_MASKED + 3
     assert masked.slots > len(context), "some entries should still be masked rather than copied out"
@@ -66,9 +75,7 @@ def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_compute
     single shape after the prompt, whatever it is asked to score."""
     draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)
     fresh = Runtime(ir_draft, config=EXACT_CONFIG)
-    sizes = []
-    forward = draft.forward
-    draft.forward = lambda new, rows=1: sizes.append(len(new)) or forward(new, rows)
+    sizes = _record_widths(draft)
     context = list(range(3, 30))
     draft.score(context)
     for step in range(30):
@@ -76,7 +83,5 @@ def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_compute
         for i in range(len(drafted)):
             draft.score(context + drafted[: i + 1])
         context = context + drafted[: step % 2] + [40 + step]  # some drafts kept, then a correction
-        got = draft.score(context)[-1]
-        fresh.reset()
-        np.testing.assert_allclose(got, fresh.forward(context)[-1], atol=1e-4)
+        _assert_fresh_cache_agrees(fresh, context, draft.score(context)[-1])
     assert sizes[0] == 27 and set(sizes[1:]) == {2}
