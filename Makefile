@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast prepare bench paper report chromium clean
+.PHONY: setup run test test-fast prepare bench bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,20 @@ test-fast: setup
 bench: setup
 	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
 		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
+
+# Our modes against both peers on the same models: openvino-genai (same IRs) and plain
+# llama.cpp (same GGUF files; built from source on first use, about 25 min on 2 cores).
+bench-peers: setup llama-cpp
+	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
+		--modes ar,sd,best,genai-ar,genai-sd,llamacpp,llamacpp-sd --json bench-results/peers.json \
+		--table bench-results/peers.md $(ARGS)
+
+llama-cpp: setup
+	$(PY) -m engine.llamacpp
+
+# What no exact drafter can beat with this pair on this machine (see README, Benchmarks).
+ceiling: setup
+	$(PY) -m engine.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128 $(ARGS)
 
 paper: setup
 	$(PY) -m engine.bench --paper $(ARGS)

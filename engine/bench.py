@@ -7,28 +7,36 @@ Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model
 ``adaptive`` (draft model, draft length adapted per round), ``pld`` (prompt lookup),
 ``hybrid`` (prompt lookup where it matches, else the draft model), ``best`` (the app's
 default: the fastest exact configuration), ``genai-ar`` / ``genai-sd``
-(openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``).
+(openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``),
+``llamacpp`` / ``llamacpp-sd`` (llama.cpp's server on the same GGUF files, without / with
+the draft; built once by ``python -m engine.llamacpp``).
 Modes that draft run once per K, except ``pld`` (it copies up to its own span) and
 ``best`` (it picks its own K). Every run starts with empty KV caches and greedy decoding.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from engine import llamacpp
 from engine.errors import EngineError
-from engine.prepare import add_model_arguments, prepare_from_args
+from engine.prepare import add_model_arguments, default_cache_dir, prepare_from_args
 from engine.service import Engine, Request
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "adaptive": "adaptive", "pld": "pld", "hybrid": "hybrid",
              "best": "best"}
-PER_K = {"sd", "adaptive", "hybrid", "genai-sd"}  # run once per --k; pld copies its own span, best picks its K
+PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd")
+PER_K = {"sd", "adaptive", "hybrid", "genai-sd", "llamacpp-sd"}
+# llama.cpp runs the GGUF's own quantized weights, not the IR's: its tokens are not compared to ar.
+OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd"}  # run once per --k; pld copies its own span, best picks its K
 
 
 @dataclass
@@ -86,6 +94,24 @@ class GenaiPeer:
         wall = time.perf_counter() - start
         tokens = [t for t in result.tokens[0] if t not in self.stop_ids]
         return tokens, wall, result.perf_metrics.get_ttft().mean / 1000
+
+
+class Peer(Protocol):
+    def run(self, prompt_ids: list[int], max_new_tokens: int, k: int | None) -> tuple[list[int], float, float]:
+        """Greedy tokens (stop tokens excluded), wall seconds and time to first token."""
+
+
+def start_peer(mode: str, args: argparse.Namespace, target_ir: Path, draft_ir: Path, stop_ids: set[int],
+               stack: contextlib.ExitStack) -> Peer:
+    speculative = mode.endswith("-sd")
+    if mode.startswith("genai"):
+        return GenaiPeer(target_ir, draft_ir if speculative else None, stop_ids)
+    cache_dir = args.cache_dir or default_cache_dir()
+    model = llamacpp.gguf_file(args.target, cache_dir)
+    draft = llamacpp.gguf_file(args.draft, cache_dir) if speculative else None
+    peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), model, draft)
+    stack.callback(peer.close)
+    return peer
 
 
 def own_run(engine: Engine, prompt_id: str, prompt_ids: list[int], mode: str, k: int, n: int, label: str) -> Run:
@@ -155,7 +181,7 @@ def table(rows: list[dict]) -> str:
 
 
 def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], ks: list[int], n: int,
-              peers: dict[str, GenaiPeer]) -> list[Run]:
+              peers: dict[str, Peer]) -> list[Run]:
     runs: list[Run] = []
     for prompt_id, prompt in prompts:
         prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
@@ -171,7 +197,7 @@ def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], 
                               wall, ttft, len(tokens))
                 if mode == "ar":
                     ar = run
-                elif ar is not None:
+                elif ar is not None and mode not in OTHER_WEIGHTS:
                     compare_to_ar(engine, prompt_ids, ar, run)
                 runs.append(run)
                 print(f"  {prompt_id:>12} {label:<12} {run.new_tokens / run.wall_s:6.1f} tok/s"
@@ -185,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
-    parser.add_argument("--modes", default="ar,sd", help=f"comma separated, of: {', '.join([*OWN_MODES, 'genai-ar', 'genai-sd'])}")
+    parser.add_argument("--modes", default="ar,sd", help=f"comma separated, of: {', '.join([*OWN_MODES, *PEER_MODES])}")
     parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
     parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--paper", action="store_true", help="reproduce the seed paper's experiments")
@@ -202,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         target, draft = prepare_from_args(args)
         engine = Engine(target.path, draft.path, draft_vocab=args.draft_vocab)
         modes = args.modes.split(",")
-        unknown = set(modes) - {*OWN_MODES, "genai-ar", "genai-sd"}
+        unknown = set(modes) - {*OWN_MODES, *PEER_MODES}
         if unknown:
             raise EngineError(f"unknown modes: {', '.join(sorted(unknown))}")
-        peers = {m: GenaiPeer(target.path, draft.path if m == "genai-sd" else None, set(engine.stop_ids))
-                 for m in modes if m.startswith("genai")}
         prompts = load_prompts(args.prompts)[: args.limit]
-        runs = run_bench(engine, prompts, modes, [int(k) for k in args.k.split(",")], args.max_new_tokens, peers)
+        with contextlib.ExitStack() as stack:
+            peers = {m: start_peer(m, args, target.path, draft.path, set(engine.stop_ids), stack)
+                     for m in modes if m in PEER_MODES}
+            runs = run_bench(engine, prompts, modes, [int(k) for k in args.k.split(",")], args.max_new_tokens, peers)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ def cached(entry: Path) -> PreparedModel | None:
     return PreparedModel(entry, data["precision"], data["source"], data["sha256"])
 
 
-def _local_file(source: Source, cache_dir: Path) -> Source:
+def local_source(source: Source, cache_dir: Path) -> Source:
     """Embedded and hub sources become a local GGUF file or HF folder."""
     if source.kind == Kind.EMBEDDED:
         path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir)
@@ -159,7 +159,7 @@ def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> Prepare
         return hit
     _check_disk(cache_dir, source)
     start = time.perf_counter()
-    local = _local_file(source, cache_dir)
+    local = local_source(source, cache_dir)
     _check_architecture(local)
     sha = _source_sha256(source if source.kind == Kind.EMBEDDED else local)
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +192,7 @@ def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
 
 def check_pair(target: str, draft: str, cache_dir: Path) -> None:
     """Refuse a draft whose tokenizer differs from the target's, before any conversion."""
-    t, d = (vocab.Vocabulary.of(_local_file(sources.resolve(s), cache_dir)) for s in (target, draft))
+    t, d = (vocab.Vocabulary.of(local_source(sources.resolve(s), cache_dir)) for s in (target, draft))
     if t.digest != d.digest:
         raise PrepareError(
             f"the draft {draft} ({d.describe()}) does not share the tokenizer of the target {target} "

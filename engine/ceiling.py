@@ -1,0 +1,166 @@
+"""The speedup ceiling of exact drafting with a given pair on this machine.
+
+    python -m engine.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128
+
+For each prompt it decodes greedily (the target's answer), records where the draft
+model's own greedy prediction agrees with that answer (teacher-forced: what it would
+draft at each position while its drafts are right) and how far prompt lookup's copy
+would be right there, and measures the pass costs: a target pass for each verify width
+(runs of equal widths, so no pass pays for a change of shape), a draft step, a prefill.
+A clairvoyant drafter that drafts exactly the tokens the target will accept, choosing
+per round between the draft model and prompt lookup, then has a minimum cost per answer
+(dynamic programming over the rounds). No exact drafting policy can beat it: it never
+drafts a rejected token, never trims a cache and never pays for a change of pass width.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.bench import load_prompts
+from engine.drafters import LookupDrafter
+from engine.errors import EngineError
+from engine.prepare import add_model_arguments, prepare_from_args
+from engine.runtime import Runtime
+from engine.service import LOOKUP_SPAN, Engine, Request
+
+MAX_WIDTH = LOOKUP_SPAN + 1  # the widest verify: a full lookup copy plus the bonus row
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per pass: ``verify[w]`` for a target pass over w tokens (w >= 1), ``draft`` per draft step."""
+
+    verify: Sequence[float]
+    draft: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    prefill_s: float
+    draft_runs: Sequence[int]  # at each position: how many draft predictions from there match the answer
+    lookup_runs: Sequence[int]  # at each position: how many tokens of prompt lookup's copy match the answer
+
+
+def runs_from_matches(matches: Sequence[bool]) -> list[int]:
+    """At each position, the length of the run of matches starting there."""
+    runs = [0] * (len(matches) + 1)
+    for i in range(len(matches) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if matches[i] else 0
+    return runs[:-1]
+
+
+def min_decode_seconds(answer: Answer, costs: Costs, use_lookup: bool = True) -> float:
+    """The clairvoyant drafter's decode time: best[i] = least time to emit the first i tokens.
+
+    A round at position i drafts j tokens it knows will be accepted (from the draft model at
+    one draft step each, or copied by lookup at no cost) and verifies them with the target's
+    bonus token in one pass of width j + 1, advancing j + 1 positions."""
+    n = len(answer.draft_runs)
+    best = [0.0] + [float("inf")] * n
+    widest = len(costs.verify) - 1
+    for i in range(n):
+        copy = answer.lookup_runs[i] if use_lookup else 0
+        for j in range(min(max(answer.draft_runs[i], copy), widest - 1) + 1):
+            seconds = costs.verify[j + 1] + (0.0 if j <= copy else j * costs.draft)
+            end = min(n, i + j + 1)
+            best[end] = min(best[end], best[i] + seconds)
+    return best[n]
+
+
+def measure_costs(target: Runtime, draft: Runtime, context: list[int], repeats: int = 7) -> Costs:
+    """Median pass times after ``context``; each width runs ``repeats`` times in a row."""
+    target.reset()
+    target.forward(context)
+    verify = [0.0]
+    for width in range(1, MAX_WIDTH + 1):
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            target.forward(context[:width])
+            times.append(time.perf_counter() - start)
+            target.trim(len(context))
+        verify.append(statistics.median(times[1:]))
+    draft.reset()
+    draft.forward(context)
+    steps = []
+    for token in context[: repeats * 4]:
+        start = time.perf_counter()
+        draft.score([*draft.tokens, token])
+        steps.append(time.perf_counter() - start)
+    return Costs(verify, statistics.median(steps))
+
+
+def analyse(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], Answer]:
+    """The target's greedy answer, its prefill time, and the draft's and lookup's runs along it."""
+    final = engine.run(Request(prompt_ids=tuple(prompt_ids), mode="autoregressive", max_new_tokens=max_new_tokens,
+                               reuse_cache=False))
+    if final.kind == "error":
+        raise EngineError(final.error)
+    answer = final.token_ids
+    engine.target.reset()
+    start = time.perf_counter()
+    engine.target.forward(prompt_ids)
+    prefill = time.perf_counter() - start
+    draft = engine.draft
+    draft.reset()
+    predictions = [int(np.argmax(draft.forward(prompt_ids)[-1]))]
+    for token in answer[:-1]:
+        predictions.append(int(np.argmax(draft.score([*draft.tokens, token])[-1])))
+    lookup = LookupDrafter(engine.target.vocab_size, min_ngram=2, span=LOOKUP_SPAN)
+    context = np.asarray([*prompt_ids, *answer])
+    copies = [lookup.lookup(context[: len(prompt_ids) + i], LOOKUP_SPAN) for i in range(len(answer))]
+    lookup_runs = [next((j for j, t in enumerate(copy) if i + j >= len(answer) or answer[i + j] != t), len(copy))
+                   for i, copy in enumerate(copies)]
+    draft_runs = runs_from_matches([p == t for p, t in zip(predictions, answer)])
+    return answer, Answer(prefill, draft_runs, lookup_runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.ceiling", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    args = parser.parse_args(argv)
+    try:
+        target, draft = prepare_from_args(args)
+        engine = Engine(target.path, draft.path)
+        prompts = load_prompts(args.prompts)[: args.limit]
+        answers = []
+        for prompt_id, prompt in prompts:
+            prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
+            tokens, answer = analyse(engine, prompt_ids, args.max_new_tokens)
+            answers.append((prompt_id, len(tokens), answer))
+            print(f"  {prompt_id:>12} {len(tokens)} tokens, draft agrees on "
+                  f"{sum(r > 0 for r in answer.draft_runs) / max(1, len(tokens)):.0%}", file=sys.stderr)
+        costs = measure_costs(engine.target, engine.draft, engine.prompt_ids(
+            Request(({"role": "user", "content": prompts[0][1]},))) * 2)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report(answers, costs))
+    return 0
+
+
+def report(answers: list[tuple[str, int, Answer]], costs: Costs) -> str:
+    """Per prompt and in all: the clairvoyant drafters' speedup over autoregressive decoding."""
+    lines = [f"target pass: 1 token {costs.verify[1] * 1e3:.1f} ms, 4 tokens {costs.verify[4] * 1e3:.1f} ms, "
+             f"{MAX_WIDTH} tokens {costs.verify[MAX_WIDTH] * 1e3:.1f} ms; draft step {costs.draft * 1e3:.1f} ms",
+             "| prompt | tokens | ceiling, draft model | ceiling, draft model or prompt lookup |", "|---|---:|---:|---:|"]
+    for label, group in [*((pid, [(pid, n, a)]) for pid, n, a in answers), ("all", answers)]:
+        ar = sum(a.prefill_s + n * costs.verify[1] for _, n, a in group)
+        ceilings = [ar / sum(a.prefill_s + min_decode_seconds(a, costs, lookup) for _, _, a in group)
+                    for lookup in (False, True)]
+        lines.append(f"| {label} | {sum(n for _, n, _ in group)} | {ceilings[0]:.2f}× | {ceilings[1]:.2f}× |")
+    return "\n".join(lines)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The ceiling's clairvoyant schedule, on a hand-worked case."""
+from engine.ceiling import Answer, Costs, min_decode_seconds, report, runs_from_matches
+
+COSTS = Costs(verify=[0.0, 10.0, 12.0, 14.0, 16.0], draft=3.0)
+
+
+def test_runs_count_the_matches_ahead_of_each_position():
+    assert runs_from_matches([True, True, False, True, True]) == [2, 1, 0, 2, 1]
+
+
+def test_the_cheapest_schedule_drafts_only_what_pays():
+    # Two rounds of two drafted tokens (12+3 and 14+6) beat five single steps (50).
+    answer = Answer(prefill_s=0.0, draft_runs=[2, 1, 0, 2, 1], lookup_runs=[0] * 5)
+    assert min_decode_seconds(answer, COSTS) == 35.0
+    assert min_decode_seconds(Answer(0.0, [0] * 5, [0] * 5), COSTS) == 50.0
+
+
+def test_a_lookup_copy_costs_only_its_verify_rows():
+    answer = Answer(prefill_s=0.0, draft_runs=[2, 1, 0, 2, 1], lookup_runs=[0, 0, 0, 2, 0])
+    assert min_decode_seconds(answer, COSTS) == 32.0
+    assert min_decode_seconds(answer, COSTS, use_lookup=False) == 35.0
+
+
+def test_the_report_gives_each_prompt_and_all_of_them():
+    costs = Costs(verify=[0.0, 10.0, 12.0, 14.0, 16.0] + [20.0] * 13, draft=3.0)
+    answer = Answer(prefill_s=0.0, draft_runs=[2, 1, 0, 2, 1], lookup_runs=[0, 0, 0, 2, 0])
+    lines = report([("a", 5, answer), ("b", 5, answer)], costs).splitlines()
+    assert lines[-3:] == ["| a | 5 | 1.43× | 1.56× |", "| b | 5 | 1.43× | 1.56× |", "| all | 10 | 1.43× | 1.56× |"]
