@@ -38,6 +38,40 @@ class Drafter(Protocol):
     def kv_cache_bytes(self) -> int: ...
 
 
+class NextTokenGuesser:
+    """Guesses the draft model's next token without running it, so that a 2-token draft pass can
+    carry the guess in its second slot: where the guess is right, that pass drafts two tokens.
+
+    The guess is the continuation of the context's longest earlier match of its last two tokens
+    (code repeats names and idioms), else what the draft itself produced the last time it saw
+    the same two tokens, else the same last token (learned as it drafts, across requests).
+    """
+
+    MAX_LEARNED = 200_000  # entries per table; both are cleared past this
+
+    def __init__(self, vocab_size: int):
+        self.lookup = LookupDrafter(vocab_size, min_ngram=2, max_ngram=8)
+        self.after_pair: dict[tuple[int, int], int] = {}
+        self.after_token: dict[int, int] = {}
+
+    def guess(self, context: Sequence[int]) -> int | None:
+        copied = self.lookup.lookup(np.asarray(context), 1)
+        if copied:
+            return copied[0]
+        if len(context) >= 2 and (pair := (context[-2], context[-1])) in self.after_pair:
+            return self.after_pair[pair]
+        return self.after_token.get(context[-1]) if context else None
+
+    def learn(self, context: Sequence[int], token: int) -> None:
+        if len(self.after_pair) > self.MAX_LEARNED:
+            self.after_pair.clear()
+            self.after_token.clear()
+        if len(context) >= 2:
+            self.after_pair[(context[-2], context[-1])] = token
+        if context:
+            self.after_token[context[-1]] = token
+
+
 class ModelDrafter:
     """A small language model with its own KV cache drafts token by token.
 
@@ -46,6 +80,12 @@ class ModelDrafter:
     length between 1 and the requested K from the last round's outcome (longer after
     a fully accepted draft, shorter after a rejection). Neither changes the output:
     how many tokens are drafted depends only on the draft.
+
+    On a runtime that feeds 2 tokens per pass, a step whose context lacks only its last
+    token feeds that token and a :class:`NextTokenGuesser` guess; where the draft's token
+    equals the guess, the second row is the draft's distribution for the token after it,
+    exactly as the next step would compute it, so the step drafts two tokens. Where it
+    differs, the guess is rolled back like any rejected token (by masking, for free).
     """
 
     def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False, vocab_size: int | None = None):
@@ -54,6 +94,7 @@ class ModelDrafter:
         self.vocab_size = vocab_size or runtime.vocab_size
         self.p_min = p_min
         self.adaptive = adaptive
+        self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
         self._k: int | None = None  # current adaptive length
         self._last: tuple[int, list[int]] | None = None  # (context length, proposal) of the last round
 
@@ -62,17 +103,32 @@ class ModelDrafter:
         budget = min(k, self._k or k) if self.adaptive else k
         tokens: list[int] = []
         rows = []
-        while len(tokens) < budget:
-            logits = self.runtime.score([*context, *tokens])[-1]
-            if params.greedy:
-                tokens.append(int(np.argmax(logits)))
-            else:
-                rows.append(logits_to_probs(logits, params))
-                tokens.append(sample(rows[-1], rng))
-            if self.p_min > 0 and _confidence(logits) < self.p_min:
-                break
+        done = False
+        while not done and len(tokens) < budget:
+            sequence = [*context, *tokens]
+            guess = self._guess(sequence)
+            fed = sequence if guess is None else [*sequence, guess]
+            for logits in self.runtime.score(fed, rows=len(fed) - len(sequence) + 1):
+                if params.greedy:
+                    token = int(np.argmax(logits))
+                else:
+                    rows.append(logits_to_probs(logits, params))
+                    token = sample(rows[-1], rng)
+                if self.guesser is not None:
+                    self.guesser.learn([*context, *tokens], token)
+                tokens.append(token)
+                done = self.p_min > 0 and _confidence(logits) < self.p_min
+                if done or len(tokens) >= budget or token != guess:
+                    break
         self._last = (len(context), tokens)
         return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
+
+    def _guess(self, sequence: list[int]) -> int | None:
+        """A guess to feed after ``sequence``, only when the pass would otherwise re-feed a cached
+        token (exactly one token of ``sequence`` is not cached): the pass keeps its 2-token width."""
+        if self.guesser is None or len(sequence) - common_prefix(self.runtime.tokens, sequence) != 1:
+            return None
+        return self.guesser.guess(sequence)
 
     def _padded(self, rows: list[np.ndarray]) -> np.ndarray:
         """Rows over the target's vocabulary: ids past a reduced draft head have q = 0."""

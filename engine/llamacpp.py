@@ -101,8 +101,9 @@ class LlamaCppPeer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.log.seek(0)
-                raise EngineError(f"llama-server exited ({self.process.returncode}):\n"
-                                  f"{self.log.read().decode(errors='replace')[-2000:]}")
+                output = self.log.read().decode(errors="replace")[-2000:]
+                self.close()
+                raise EngineError(f"llama-server exited ({self.process.returncode}):\n{output}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
                     if reply.status == 200:

@@ -84,6 +84,37 @@ def test_greedy_speculative_matches_autoregressive(pair, tok, k, kind):
     assert 0 < accepted < drafted, "the drafter should be right sometimes and wrong sometimes"
 
 
+class RandomGuesser:
+    """Guesses a random token: nearly always wrong."""
+
+    def __init__(self, vocab_size: int):
+        self.rng = np.random.default_rng(0)
+        self.vocab_size = vocab_size
+
+    def guess(self, context) -> int:
+        return int(self.rng.integers(self.vocab_size))
+
+    def learn(self, context, token) -> None:
+        pass
+
+
+def test_a_guess_changes_the_draft_passes_never_the_drafts(pair, tok):
+    """A right guess's second row is the draft's distribution for the token after it, as the next
+    step would compute it, so the draft drafts two tokens in one pass; a wrong guess is dropped."""
+    target, model = pair
+    prompt = tok.encode(PROMPTS[3] + "\n" + PROMPTS[3])  # repeated text gives the real guesser matches
+    results = {}
+    for guesser in ("none", "random", "real"):
+        drafter = ModelDrafter(model.runtime)
+        drafter.guesser = {"none": None, "random": RandomGuesser(model.runtime.vocab_size)}.get(guesser,
+                                                                                                drafter.guesser)
+        before = model.runtime.passes
+        tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40)
+        results[guesser] = (tokens, stats.drafted, stats.accepted), model.runtime.passes - before
+    assert results["random"][0] == results["real"][0] == results["none"][0]
+    assert results["real"][1] < results["none"][1]
+
+
 def test_rejected_tokens_leave_no_trace_in_kv_cache(pair, tok):
     target, drafter = pair
     target.reset()
@@ -109,31 +140,45 @@ def test_logits_after_trim_equal_a_fresh_run(pair, tok):
     np.testing.assert_array_equal(after_trim, fresh)
 
 
+def target_outcomes(target, prompt: list[int], params: SamplingParams, n: int, draws: int) -> dict[tuple, float]:
+    """The target's probability of every n-token continuation expected at least once in ``draws``."""
+    outcomes: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for prefix, p in outcomes.items():
+            probs = logits_to_probs(target.score(prompt + list(prefix))[-1], params)
+            for token in np.flatnonzero(p * probs * draws >= 1):
+                grown[prefix + (int(token),)] = p * probs[token]
+        outcomes = grown
+    return outcomes
+
+
 @pytest.mark.parametrize("kind", ["model", "small-head", "hybrid", "hybrid-span"])
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
-    """Chi-square over two-token outcomes: speculative samples fit the target's p, the draft's do not."""
+    """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
+
+    The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
+    so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus)."""
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
     params = SamplingParams(temperature=1.0)
-    draws = 3000
+    draws, n = 3000, 3
     sd_counts: dict[tuple, int] = {}
+    drafted = 0
     for seed in range(draws):
-        tokens, _ = run(target, drafter, prompt, k=2, max_new_tokens=2, sampling=SamplingParams(1.0, seed=seed))
-        sd_counts[tuple(tokens)] = sd_counts.get(tuple(tokens), 0) + 1
+        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=SamplingParams(1.0, seed=seed))
+        sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
+        drafted += stats.drafted
+    assert drafted >= draws, "every run should have drafted in its second round"
     draft_counts: dict[tuple, int] = {}
     for seed in range(draws):
-        tokens, _ = run(model.runtime, None, prompt, speculative=False, max_new_tokens=2,
+        tokens, _ = run(model.runtime, None, prompt, speculative=False, max_new_tokens=n,
                         sampling=SamplingParams(1.0, seed=seed))
         draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
 
     target.reset()
-    first = logits_to_probs(target.score(prompt)[-1], params)
-    outcomes = {}
-    for a in np.flatnonzero(first * draws >= 1):
-        second = logits_to_probs(target.score(prompt + [int(a)])[-1], params)
-        for b in np.flatnonzero(first[a] * second * draws >= 1):
-            outcomes[(int(a), int(b))] = first[a] * second[b]
+    outcomes = target_outcomes(target, prompt, params, n, draws)
 
     def p_value(counts):
         keys = [k for k, p in outcomes.items() if p * draws >= 5]

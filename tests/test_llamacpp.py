@@ -1,8 +1,6 @@
 """The llama.cpp peer: its errors, and (where llama.cpp is built) a real server on a tiny GGUF."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine import llamacpp
@@ -16,6 +14,14 @@ SERVER = llamacpp.server_binary(default_cache_dir())
 def test_a_missing_server_says_how_to_build_it(tmp_path):
     with pytest.raises(EngineError, match="python -m engine.llamacpp"):
         llamacpp.LlamaCppPeer(tmp_path / "llama-server", tmp_path / "model.gguf")
+
+
+def test_a_server_that_fails_to_start_reports_its_output(tmp_path):
+    failing = tmp_path / "llama-server"
+    failing.write_text("#!/bin/sh\necho 'error loading model: not a GGUF file'\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(EngineError, match=r"exited \(1\):\nerror loading model: not a GGUF file"):
+        llamacpp.LlamaCppPeer(failing, tmp_path / "model.gguf")
 
 
 def test_the_llama_cpp_modes_need_a_gguf_model(ir_target, tiny_cache):
