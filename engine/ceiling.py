@@ -9,8 +9,10 @@ would be right there, and measures the pass costs: a target pass for each verify
 (runs of equal widths, so no pass pays for a change of shape), a draft step, a prefill.
 A clairvoyant drafter that drafts exactly the tokens the target will accept, choosing
 per round between the draft model and prompt lookup, then has a minimum cost per answer
-(dynamic programming over the rounds). No exact drafting policy can beat it: it never
-drafts a rejected token, never trims a cache and never pays for a change of pass width.
+(dynamic programming over the rounds). Its draft steps carry the engine's next-token guess
+(measured along the answer: a step whose guess is right drafts two tokens). No exact
+drafting policy with this draft and guesser can beat it: it never drafts a rejected token,
+never trims a cache and never pays for a change of pass width.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench import load_prompts
-from engine.drafters import LookupDrafter
+from engine.drafters import LookupDrafter, NextTokenGuesser
 from engine.errors import EngineError
 from engine.prepare import add_model_arguments, prepare_from_args
 from engine.runtime import Runtime
@@ -47,6 +49,16 @@ class Answer:
     prefill_s: float
     draft_runs: Sequence[int]  # at each position: how many draft predictions from there match the answer
     lookup_runs: Sequence[int]  # at each position: how many tokens of prompt lookup's copy match the answer
+    guess_hits: Sequence[bool] = ()  # at each position: the draft's guesser guesses the draft's token
+
+    def draft_steps(self, start: int, count: int) -> int:
+        """Draft steps to draft ``count`` tokens from ``start``: a step whose guess is right drafts two."""
+        steps, position = 0, start
+        while position < start + count:
+            steps += 1
+            hit = position < len(self.guess_hits) and self.guess_hits[position]
+            position += 2 if hit and position + 1 < start + count else 1
+        return steps
 
 
 def runs_from_matches(matches: Sequence[bool]) -> list[int]:
@@ -61,15 +73,16 @@ def min_decode_seconds(answer: Answer, costs: Costs, use_lookup: bool = True) ->
     """The clairvoyant drafter's decode time: best[i] = least time to emit the first i tokens.
 
     A round at position i drafts j tokens it knows will be accepted (from the draft model at
-    one draft step each, or copied by lookup at no cost) and verifies them with the target's
-    bonus token in one pass of width j + 1, advancing j + 1 positions."""
+    one draft step each, two where the step's guess is right, or copied by lookup at no cost)
+    and verifies them with the target's bonus token in one pass of width j + 1, advancing j + 1
+    positions."""
     n = len(answer.draft_runs)
     best = [0.0] + [float("inf")] * n
     widest = len(costs.verify) - 1
     for i in range(n):
         copy = answer.lookup_runs[i] if use_lookup else 0
         for j in range(min(max(answer.draft_runs[i], copy), widest - 1) + 1):
-            seconds = costs.verify[j + 1] + (0.0 if j <= copy else j * costs.draft)
+            seconds = costs.verify[j + 1] + (0.0 if j <= copy else answer.draft_steps(i, j) * costs.draft)
             end = min(n, i + j + 1)
             best[end] = min(best[end], best[i] + seconds)
     return best[n]
@@ -120,7 +133,13 @@ def analyse(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> tuple
     lookup_runs = [next((j for j, t in enumerate(copy) if i + j >= len(answer) or answer[i + j] != t), len(copy))
                    for i, copy in enumerate(copies)]
     draft_runs = runs_from_matches([p == t for p, t in zip(predictions, answer)])
-    return answer, Answer(prefill, draft_runs, lookup_runs)
+    guesser = NextTokenGuesser(engine.target.vocab_size)
+    hits = []
+    for i, prediction in enumerate(predictions):
+        before = [*prompt_ids, *answer[:i]]
+        hits.append(guesser.guess(before) == prediction)
+        guesser.learn(before, prediction)
+    return answer, Answer(prefill, draft_runs, lookup_runs, hits)
 
 
 def main(argv: list[str] | None = None) -> int:
