@@ -34,7 +34,8 @@ NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logi
 OWN_MODES = {"ar": "autoregressive", "sd": "speculative", "adaptive": "adaptive", "pld": "pld", "hybrid": "hybrid",
              "best": "best"}
 PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd")
-PER_K = {"sd", "adaptive", "hybrid", "genai-sd", "llamacpp-sd"}  # run once per --k; pld copies its own span, best picks its K
+# Run once per --k; pld copies its own span, best picks its K.
+PER_K = {"sd", "adaptive", "hybrid", "genai-sd", "llamacpp-sd"}
 # llama.cpp runs the GGUF's own quantized weights, not the IR's: its tokens are not compared to ar.
 OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd"}
 

@@ -112,7 +112,8 @@ def measure_costs(target: Runtime, draft: Runtime, context: list[int], repeats: 
 
 
 def analyse(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], Answer]:
-    """The target's greedy answer, its prefill time, and the draft's and lookup's runs along it."""
+    """The target's greedy answer, its prefill time, and the draft's, lookup's and guesser's
+    record along it."""
     final = engine.run(Request(prompt_ids=tuple(prompt_ids), mode="autoregressive", max_new_tokens=max_new_tokens,
                                reuse_cache=False))
     if final.kind == "error":
@@ -122,24 +123,42 @@ def analyse(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> tuple
     start = time.perf_counter()
     engine.target.forward(prompt_ids)
     prefill = time.perf_counter() - start
-    draft = engine.draft
+    predictions = draft_predictions(engine.draft, prompt_ids, answer)
+    return answer, Answer(prefill, runs_from_matches([p == t for p, t in zip(predictions, answer)]),
+                          lookup_runs(prompt_ids, answer, engine.target.vocab_size),
+                          guess_hits(prompt_ids, answer, predictions, engine.target.vocab_size))
+
+
+def draft_predictions(draft: Runtime, prompt_ids: list[int], answer: list[int]) -> list[int]:
+    """The draft's greedy token at each position of the answer, given the answer before it."""
     draft.reset()
     predictions = [int(np.argmax(draft.forward(prompt_ids)[-1]))]
     for token in answer[:-1]:
         predictions.append(int(np.argmax(draft.score([*draft.tokens, token])[-1])))
-    lookup = LookupDrafter(engine.target.vocab_size, min_ngram=2, span=LOOKUP_SPAN)
+    return predictions
+
+
+def lookup_runs(prompt_ids: list[int], answer: list[int], vocab_size: int) -> list[int]:
+    """At each position, how many tokens of prompt lookup's copy equal the answer."""
+    lookup = LookupDrafter(vocab_size, min_ngram=2, span=LOOKUP_SPAN)
     context = np.asarray([*prompt_ids, *answer])
-    copies = [lookup.lookup(context[: len(prompt_ids) + i], LOOKUP_SPAN) for i in range(len(answer))]
-    lookup_runs = [next((j for j, t in enumerate(copy) if i + j >= len(answer) or answer[i + j] != t), len(copy))
-                   for i, copy in enumerate(copies)]
-    draft_runs = runs_from_matches([p == t for p, t in zip(predictions, answer)])
-    guesser = NextTokenGuesser(engine.target.vocab_size)
+    runs = []
+    for i in range(len(answer)):
+        copy = lookup.lookup(context[: len(prompt_ids) + i], LOOKUP_SPAN)
+        runs.append(next((j for j, t in enumerate(copy) if i + j >= len(answer) or answer[i + j] != t), len(copy)))
+    return runs
+
+
+def guess_hits(prompt_ids: list[int], answer: list[int], predictions: list[int], vocab_size: int) -> list[bool]:
+    """At each position, whether the engine's guesser, learning as the draft drafts, guesses the
+    draft's token."""
+    guesser = NextTokenGuesser(vocab_size)
     hits = []
     for i, prediction in enumerate(predictions):
         before = [*prompt_ids, *answer[:i]]
         hits.append(guesser.guess(before) == prediction)
         guesser.learn(before, prediction)
-    return answer, Answer(prefill, draft_runs, lookup_runs, hits)
+    return hits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +192,8 @@ def report(answers: list[tuple[str, int, Answer]], costs: Costs) -> str:
     """Per prompt and in all: the clairvoyant drafters' speedup over autoregressive decoding."""
     lines = [f"target pass: 1 token {costs.verify[1] * 1e3:.1f} ms, 4 tokens {costs.verify[4] * 1e3:.1f} ms, "
              f"{MAX_WIDTH} tokens {costs.verify[MAX_WIDTH] * 1e3:.1f} ms; draft step {costs.draft * 1e3:.1f} ms",
-             "| prompt | tokens | ceiling, draft model | ceiling, draft model or prompt lookup |", "|---|---:|---:|---:|"]
+             "| prompt | tokens | ceiling, draft model | ceiling, draft model or prompt lookup |",
+             "|---|---:|---:|---:|"]
     for label, group in [*((pid, [(pid, n, a)]) for pid, n, a in answers), ("all", answers)]:
         ar = sum(a.prefill_s + n * costs.verify[1] for _, n, a in group)
         ceilings = [ar / sum(a.prefill_s + min_decode_seconds(a, costs, lookup) for _, _, a in group)
