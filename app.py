@@ -46,7 +46,7 @@ MODE_HELP = {  # where the drafts come from
     "adaptive": "draft model, stops when unsure, adaptive K",
     "pld": "prompt lookup",
     "hybrid": "lookup, else draft model",
-    "best": "fastest measured here (hybrid; draft model up to 5 tokens, stops when unsure)",
+    "best": "fastest measured here (hybrid: prompt lookup, else the draft model at K=4)",
 }
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 

@@ -30,12 +30,13 @@ from engine.vocab import Vocabulary, tokenizer_tokens
 
 T = TypeVar("T")
 MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
-# A draft model stops a round once its confidence in the token it drafted falls below this
-# ("adaptive" and "best"; measured against 0.3 and 0.8: README, Benchmarks).
+# "adaptive"'s draft model stops a round once its confidence in the token it drafted falls
+# below this (measured against 0.3 and 0.8: README, Benchmarks).
 DRAFT_P_MIN = 0.7
 # "best": the fastest exact configuration measured on this machine (README, Benchmarks): hybrid
-# drafting whose draft model drafts up to BEST_K tokens, stopping early below DRAFT_P_MIN.
-BEST_K = 5
+# drafting whose draft model drafts BEST_K tokens every round (with the draft's next-token guess,
+# a fixed K beat stopping below DRAFT_P_MIN in both 20-prompt benchmarks).
+BEST_K = 4
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
 # Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
@@ -116,7 +117,7 @@ class Engine:
             drafters["speculative"] = model
             drafters["adaptive"] = ModelDrafter(self.draft, p_min=DRAFT_P_MIN, adaptive=True, vocab_size=vocab)
             drafters["hybrid"] = HybridDrafter(lookup, model)
-            drafters["best"] = HybridDrafter(lookup, ModelDrafter(self.draft, p_min=DRAFT_P_MIN, vocab_size=vocab))
+            drafters["best"] = drafters["hybrid"]  # at K = BEST_K, whatever the request's K
         return drafters
 
     @property

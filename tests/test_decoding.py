@@ -26,7 +26,7 @@ def pair(ir_target, ir_draft):
     return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(draft)
 
 
-DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid", "hybrid-span", "best"]
+DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid", "hybrid-span", "stop-early"]
 
 
 def make_drafter(kind: str, pair):
@@ -43,7 +43,7 @@ def make_drafter(kind: str, pair):
         return ModelDrafter(small, vocab_size=vocab)
     if kind == "lookup":
         return LookupDrafter(vocab, min_ngram=1)
-    if kind == "best":  # the engine's "best" shape: hybrid whose draft model stops early when unsure
+    if kind == "stop-early":  # a hybrid whose draft model stops a round early when unsure
         return HybridDrafter(LookupDrafter(vocab), ModelDrafter(model.runtime, p_min=0.3))
     if kind == "hybrid-span":  # lookup copies further than K, and past the token budget
         return HybridDrafter(LookupDrafter(vocab, min_ngram=1, span=12), model)
