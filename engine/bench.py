@@ -57,6 +57,12 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+
+
 def load_prompts(path: Path) -> list[tuple[str, str]]:
     rows = []
     for i, line in enumerate(path.read_text().splitlines()):
@@ -209,14 +215,12 @@ def run_bench(engine: Engine, prompts: list[tuple[str, str]], modes: list[str], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    add_prompt_arguments(parser)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
     parser.add_argument("--modes", default="ar,sd", help=f"comma separated, of: {', '.join([*OWN_MODES, *PEER_MODES])}")
     parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
     parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--paper", action="store_true", help="reproduce the seed paper's experiments")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="draft head over the first N token ids only (FR-Spec style); default: all")
     args = parser.parse_args(argv)

@@ -22,11 +22,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from engine.bench import load_prompts
+from engine.bench import add_prompt_arguments, load_prompts
 from engine.drafters import LookupDrafter, NextTokenGuesser
 from engine.errors import EngineError
 from engine.prepare import add_model_arguments, prepare_from_args
@@ -164,9 +163,7 @@ def guess_hits(prompt_ids: list[int], answer: list[int], predictions: list[int],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.ceiling", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    add_prompt_arguments(parser)
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
