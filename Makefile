@@ -38,7 +38,7 @@ bench: setup
 		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
 
 # Our modes against both peers on the same models: openvino-genai (same IRs) and plain
-# llama.cpp (same GGUF files; built from source on first use, about 25 min on 2 cores).
+# llama.cpp (same GGUF files; built from source on first use, about 5 min on 2 cores).
 bench-peers: setup llama-cpp
 	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
 		--modes ar,sd,best,genai-ar,genai-sd,llamacpp,llamacpp-sd --json bench-results/peers.json \
