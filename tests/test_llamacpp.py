@@ -43,3 +43,5 @@ def test_the_server_decodes_greedily_from_a_gguf(hf_target, tiny_dir, tiny_cache
     assert 0 < len(first) <= 12 and first == again
     assert wall > 0 and ttft >= 0
     assert peer.process.poll() is not None
+    with pytest.raises(EngineError, match="did not answer"):  # a server that is gone
+        peer.run([5, 17, 42, 99], 4, None)
