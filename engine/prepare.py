@@ -239,8 +239,12 @@ def compression_from_args(args: argparse.Namespace, role: str, precision: str) -
     return Compression(precision, args.group_size, args.ratio, args.all_layers, args.sym)
 
 
+def cache_dir_from_args(args: argparse.Namespace) -> Path:
+    return args.cache_dir or default_cache_dir()
+
+
 def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, PreparedModel]:
-    cache_dir = args.cache_dir or default_cache_dir()
+    cache_dir = cache_dir_from_args(args)
     return prepare_pair(args.target, args.draft, compression_from_args(args, "target", args.target_precision),
                         compression_from_args(args, "draft", args.draft_precision), cache_dir)
 

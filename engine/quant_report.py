@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.prepare import compression_from_args, default_cache_dir, prepare_one
+from engine.prepare import cache_dir_from_args, compression_from_args, prepare_one
 from engine.runtime import Runtime
 
 PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "coding.jsonl"
@@ -56,7 +56,7 @@ def compare(reference: Runtime, other: Runtime, sequences: list[list[int]]) -> d
 def run_report(args: argparse.Namespace) -> list[dict]:
     from transformers import AutoTokenizer
 
-    cache = args.cache_dir or default_cache_dir()
+    cache = cache_dir_from_args(args)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     rows = []
     for role, spec in (("target", args.target), ("draft", args.draft)):

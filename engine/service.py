@@ -30,12 +30,11 @@ from engine.vocab import Vocabulary, tokenizer_tokens
 
 T = TypeVar("T")
 MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
-# "adaptive"'s draft model stops a round once its confidence in the token it drafted falls
+# "adaptive": its draft model stops a round once its confidence in the token it drafted falls
 # below this (measured against 0.3 and 0.8: README, Benchmarks).
-DRAFT_P_MIN = 0.7
+ADAPTIVE_P_MIN = 0.7
 # "best": the fastest exact configuration measured on this machine (README, Benchmarks): hybrid
-# drafting whose draft model drafts BEST_K tokens every round (with the draft's next-token guess,
-# a fixed K beat stopping below DRAFT_P_MIN in both 20-prompt benchmarks).
+# drafting at K=4 (with the draft's next-token guess it beat a confidence stop).
 BEST_K = 4
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
@@ -115,9 +114,8 @@ class Engine:
             vocab = self.target.vocab_size
             model = ModelDrafter(self.draft, vocab_size=vocab)
             drafters["speculative"] = model
-            drafters["adaptive"] = ModelDrafter(self.draft, p_min=DRAFT_P_MIN, adaptive=True, vocab_size=vocab)
-            drafters["hybrid"] = HybridDrafter(lookup, model)
-            drafters["best"] = drafters["hybrid"]  # at K = BEST_K, whatever the request's K
+            drafters["adaptive"] = ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=vocab)
+            drafters["hybrid"] = drafters["best"] = HybridDrafter(lookup, model)  # best: at K = BEST_K
         return drafters
 
     @property
