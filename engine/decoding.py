@@ -114,6 +114,7 @@ def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k:
         n, token = accept_greedy(draft.tokens, logits)
     else:
         n, token = accept_draft(draft.tokens, draft.probs, logits_to_probs(logits, params), rng)
+    drafter.observe(len(draft.tokens), n)
     stats.drafted += len(draft.tokens)
     stats.accepted += n
     if not draft.tokens:  # e.g. prompt lookup found nothing: a plain target step

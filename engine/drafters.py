@@ -31,6 +31,9 @@ class Drafter(Protocol):
         """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
         whose proposals cost nothing may propose more)."""
 
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
+
     def rollback(self, accepted: Sequence[int]) -> None:
         """Forget every cached token that is not a prefix of ``accepted``."""
 
@@ -78,9 +81,9 @@ class ModelDrafter:
 
     ``p_min`` stops a round early once the draft's own confidence in the token it
     just drafted (its top probability) falls below it; ``adaptive`` moves the draft
-    length between 1 and the requested K from the last round's outcome (longer after
-    a fully accepted draft, shorter after a rejection). Neither changes the output:
-    how many tokens are drafted depends only on the draft.
+    length (:attr:`k`) between 1 and the requested K from the last round's outcome
+    (two longer after a fully accepted draft, one shorter after a rejection). Neither
+    changes the output: how many tokens are drafted depends only on the draft.
 
     On a runtime that feeds 2 tokens per pass, a step whose context lacks only its last
     token feeds that token and a :class:`NextTokenGuesser` guess; where the draft's token
@@ -96,12 +99,11 @@ class ModelDrafter:
         self.p_min = p_min
         self.adaptive = adaptive
         self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
-        self._k: int | None = None  # current adaptive length
-        self._last: tuple[int, list[int]] | None = None  # (context length, proposal) of the last round
+        self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
-        budget = min(k, self._k or k) if self.adaptive else k
+        budget = min(k, self.k or k) if self.adaptive else k
         tokens: list[int] = []
         rows = []
         done = False
@@ -121,7 +123,6 @@ class ModelDrafter:
                 done = self.p_min > 0 and _confidence(logits) < self.p_min
                 if done or len(tokens) >= budget or token != guess:
                     break
-        self._last = (len(context), tokens)
         return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
 
     def _guess(self, sequence: list[int]) -> int | None:
@@ -137,14 +138,13 @@ class ModelDrafter:
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs
 
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.adaptive and drafted:
+            current = self.k or drafted
+            self.k = current + 2 if accepted == drafted else max(1, current - 1)
+
     def rollback(self, accepted: Sequence[int]) -> None:
         self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
-        if self.adaptive and self._last is not None:
-            start, proposal = self._last
-            current = self._k or len(proposal)
-            fully_accepted = common_prefix(proposal, accepted[start:]) == len(proposal)
-            self._k = current + 2 if fully_accepted else max(1, current - 1)
-            self._last = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -203,6 +203,9 @@ class LookupDrafter:
             length += 1
         return length
 
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
     def rollback(self, accepted: Sequence[int]) -> None:
         pass
 
@@ -217,10 +220,16 @@ class HybridDrafter:
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
         self.lookup = lookup
         self.model = model
+        self._model_proposed = False  # who made the last proposal: the verdict is for them
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         draft = self.lookup.propose(context, k, params, rng)
-        return draft if draft.tokens else self.model.propose(context, k, params, rng)
+        self._model_proposed = not draft.tokens
+        return self.model.propose(context, k, params, rng) if self._model_proposed else draft
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._model_proposed:
+            self.model.observe(drafted, accepted)
 
     def rollback(self, accepted: Sequence[int]) -> None:
         self.model.rollback(accepted)

@@ -10,7 +10,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from engine.metrics import Stats
 from engine.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.sampling import SamplingParams
 from engine.sources import Kind, Source
-from engine.textstream import IncrementalDecoder
+from engine.textstream import IncrementalDecoder, StopStrings
 from engine.vocab import Vocabulary, tokenizer_tokens
 
 T = TypeVar("T")
@@ -79,6 +79,35 @@ class Event:
     @property
     def final(self) -> bool:
         return self.kind in ("done", "error")
+
+
+class Stream:
+    """The events of one request, in order, ending with a ``done`` or ``error`` event.
+
+    ``cancel()`` asks the engine to stop after the current round; the stream still ends with
+    its final event (finish reason ``cancelled``). ``close()`` cancels and stops reading."""
+
+    def __init__(self) -> None:
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._cancel = threading.Event()
+        self._ended = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Event:
+        if self._ended:
+            raise StopIteration
+        event = self._events.get()
+        self._ended = event.final
+        return event
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        self.cancel()
+        self._ended = True
 
 
 class Engine:
@@ -157,21 +186,13 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def generate(self, request: Request) -> Iterator[Event]:
-        """Stream the events of one request. Closing the iterator cancels it within one round."""
+    def generate(self, request: Request) -> Stream:
+        """Stream the events of one request (see :class:`Stream` for how to stop it)."""
         if request.mode not in self.modes:
             raise EngineError(f"unknown mode '{request.mode}': choose one of {', '.join(self.modes)}")
-        events: queue.Queue[Event] = queue.Queue()
-        cancel = threading.Event()
-        self._jobs.put(lambda: self._run(request, events, cancel))
-        try:
-            while True:
-                event = events.get()
-                yield event
-                if event.final:
-                    return
-        finally:
-            cancel.set()
+        stream = Stream()
+        self._jobs.put(lambda: self._run(request, stream._events, stream._cancel))
+        return stream
 
     def run(self, request: Request) -> Event:
         """Generate to the end; return the final event."""
@@ -189,13 +210,12 @@ class Engine:
                 self.reset()
                 stats.start = time.perf_counter()
             detok = IncrementalDecoder(self.tokenizer)
-            text = ""
+            stops = StopStrings(request.stop_strings)
             drafter = self.drafters.get(request.mode)
             for round_ in decode(self.target, drafter, prompt, self._decode_config(request), stats):
                 pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
                 out += round_.tokens
-                delta = "".join(piece for piece, _ in pieces)
-                text, delta, stopped = _apply_stop_strings(text, delta, request.stop_strings)
+                delta, stopped = stops.push("".join(piece for piece, _ in pieces))
                 events.put(Event("delta", delta, pieces, stats.snapshot()))
                 if stopped:
                     stats.finish_reason = "stop"
@@ -204,7 +224,10 @@ class Engine:
                     stats.finish_reason = "cancelled"
                     break
             else:
-                if tail := detok.flush():
+                tail, stopped = stops.push(detok.flush())
+                tail += "" if stopped else stops.flush()
+                stats.finish_reason = "stop" if stopped else stats.finish_reason
+                if tail:
                     events.put(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
             events.put(Event("done", metrics=stats.snapshot(), token_ids=out))
         except EngineError as exc:
@@ -238,16 +261,6 @@ class Engine:
             return float(abs(top[1] - top[0]))
 
         return self.call(measure)
-
-
-def _apply_stop_strings(text: str, delta: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
-    """Append ``delta``; if a stop string appears, cut the text just before it."""
-    new = text + delta
-    hits = [i for s in stops if s and (i := new.find(s, max(0, len(text) - len(s) + 1))) >= 0]
-    if not hits:
-        return new, delta, False
-    cut = min(hits)
-    return new[:cut], new[len(text):cut] if cut > len(text) else "", True
 
 
 def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:

@@ -31,3 +31,30 @@ class IncrementalDecoder:
         after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
         self.prefix = self.read = len(self.ids)
         return after[len(before):]
+
+
+class StopStrings:
+    """Cuts streamed text just before the first stop string.
+
+    Text that could be the start of a stop string is held back until the next delta
+    shows whether it is: what has been sent cannot be taken back."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """The text that is safe to send now, and whether a stop string was found."""
+        text = self.held + delta
+        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        if hits:
+            self.held = ""
+            return text[:min(hits)], True
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.held = text[len(text) - hold:]
+        return text[:len(text) - hold], False
+
+    def flush(self) -> str:
+        """What is still held back when the stream ends without a stop string."""
+        held, self.held = self.held, ""
+        return held

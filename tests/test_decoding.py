@@ -1,6 +1,9 @@
 """Exactness of speculative decoding and KV-cache handling on tiny f32 models."""
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
@@ -8,7 +11,7 @@ from scipy import stats as scipy_stats
 from engine.decoding import DecodeConfig, decode
 from engine.drafters import HybridDrafter, LookupDrafter, ModelDrafter
 from engine.metrics import Stats
-from engine.runtime import EXACT_CONFIG, Runtime
+from engine.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.service import Request
 
@@ -153,8 +156,13 @@ def target_outcomes(target, prompt: list[int], params: SamplingParams, n: int, d
     return outcomes
 
 
-@pytest.mark.parametrize("kind", ["model", "small-head", "hybrid", "hybrid-span"])
-def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
+WARPED = SamplingParams(temperature=0.7, top_p=0.9)
+
+
+@pytest.mark.parametrize("kind, params", [(kind, SamplingParams(1.0)) for kind in
+                                          ("model", "small-head", "hybrid", "hybrid-span")]
+                         + [("model", WARPED), ("hybrid", WARPED)])
+def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
@@ -162,19 +170,18 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
-    params = SamplingParams(temperature=1.0)
     draws, n = 3000, 3
     sd_counts: dict[tuple, int] = {}
     drafted = 0
     for seed in range(draws):
-        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=SamplingParams(1.0, seed=seed))
+        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=replace(params, seed=seed))
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
     assert drafted >= draws, "every run should have drafted in its second round"
     draft_counts: dict[tuple, int] = {}
     for seed in range(draws):
         tokens, _ = run(model.runtime, None, prompt, speculative=False, max_new_tokens=n,
-                        sampling=SamplingParams(1.0, seed=seed))
+                        sampling=replace(params, seed=seed))
         draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
 
     target.reset()
@@ -192,6 +199,61 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind):
     assert p_value(draft_counts) < 1e-6
 
 
+def test_a_stop_token_ends_the_answer_with_nothing_after_it(pair, tok):
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[0])
+    free, _ = run(target, drafter, prompt, speculative=False, max_new_tokens=30)
+    stop = next(t for i, t in enumerate(free) if i >= 5 and t not in free[:i])  # first seen mid-answer
+    for speculative in (False, True):
+        tokens, stats = run(target, drafter, prompt, speculative=speculative, k=4, max_new_tokens=30,
+                            stop_ids=frozenset({stop}))
+        assert tokens == free[:free.index(stop)]
+        assert stats.finish_reason == "stop"
+
+
+def test_a_stop_string_ends_the_answer_just_before_it(engine):
+    chat = ({"role": "user", "content": PROMPTS[0]},)
+    full = engine.run(Request(chat, max_new_tokens=30, reuse_cache=False))
+    text = engine.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert full.metrics["finish_reason"] == "length" and len(stop) == 3
+    stream = engine.generate(Request(chat, max_new_tokens=30, stop_strings=("never there", stop)))
+    events = list(stream)
+    assert "".join(e.text for e in events) == text[:text.index(stop)]
+    assert events[-1].metrics["finish_reason"] == "stop"
+
+
+def slowed(monkeypatch, runtime, seconds: float) -> None:
+    """Make every pass of ``runtime`` take at least ``seconds`` more (a big model on a CPU)."""
+    forward = runtime.forward
+    monkeypatch.setattr(runtime, "forward", lambda *a, **kw: (time.sleep(seconds), forward(*a, **kw))[1])
+
+
+def test_cancelling_a_stream_stops_the_engine_within_one_round(engine, monkeypatch):
+    slowed(monkeypatch, engine.target, 0.05)  # 200 tokens would take 10 s or more
+    stream = engine.generate(Request(({"role": "user", "content": PROMPTS[1]},), max_new_tokens=200,
+                                     reuse_cache=False))
+    assert next(stream).kind == "delta"
+    start = time.monotonic()
+    stream.cancel()
+    final = [e for e in stream if e.final][0]
+    assert time.monotonic() - start < 1.0
+    assert final.kind == "done" and final.metrics["finish_reason"] == "cancelled"
+    assert 0 < final.metrics["new_tokens"] < 200
+    assert engine.pending == 0
+
+
+def test_closing_a_stream_frees_the_engine_within_one_round(engine, monkeypatch):
+    slowed(monkeypatch, engine.target, 0.05)
+    stream = engine.generate(Request(({"role": "user", "content": PROMPTS[1]},), max_new_tokens=200))
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 1.0
+    while engine.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.pending == 0
+
+
 def test_cancel_mid_stream_then_new_request_equals_fresh_run(engine):
     chat = ({"role": "user", "content": PROMPTS[0]},)
     fresh = engine.run(Request(chat, max_new_tokens=30, reuse_cache=False)).token_ids
@@ -207,13 +269,20 @@ def test_multi_turn_reuses_the_cache_and_equals_a_fresh_run(engine):
     first = engine.run(Request(turn1, max_new_tokens=20, reuse_cache=False))
     answer = engine.tokenizer.decode(first.token_ids, skip_special_tokens=True)
     turn2 = turn1 + ({"role": "assistant", "content": answer}, {"role": "user", "content": PROMPTS[3]})
-    reused = engine.run(Request(turn2, max_new_tokens=20))
+    prompt1, prompt2 = engine.prompt_ids(Request(turn1)), engine.prompt_ids(Request(turn2))
+    cached = common_prefix(engine.target.tokens, prompt2)
+    widths = []
+    forward = engine.target.forward
+    engine.target.forward = lambda new, rows=1: widths.append(len(new)) or forward(new, rows)
+    try:
+        reused = engine.run(Request(turn2, max_new_tokens=20))
+    finally:
+        del engine.target.forward
     fresh = engine.run(Request(turn2, max_new_tokens=20, reuse_cache=False))
     assert reused.token_ids == fresh.token_ids
-    assert reused.metrics["ttft_s"] is not None
-    # only the new suffix was prefilled: the cache kept the first turn
-    prompt2 = engine.prompt_ids(Request(turn2))
-    assert len(engine.prompt_ids(Request(turn1))) < len(prompt2)
+    # only the new suffix was prefilled: the cache kept the first turn and its answer
+    assert cached > len(prompt1)
+    assert widths[0] == len(prompt2) - cached
 
 
 def test_over_long_prompt_gives_a_clear_error_and_engine_keeps_working(engine):
@@ -233,8 +302,8 @@ def test_generation_stops_at_the_context_limit(pair, tok):
     target, drafter = pair
     prompt = tok.encode(" ".join(["fox"] * 200))[: target.max_context - 10]
     tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=100)
-    assert len(prompt) + len(tokens) <= target.max_context
-    assert stats.finish_reason in ("context", "stop")
+    assert len(prompt) + len(tokens) == target.max_context
+    assert stats.finish_reason == "context"
 
 
 def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, ir_target):
@@ -245,3 +314,58 @@ def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, 
         logits = steps.forward([token])[-1]
     top = np.sort(logits)[-2:]
     assert engine.top2_margin(prompt, prefix) == pytest.approx(float(top[1] - top[0]), abs=0)
+
+
+@pytest.mark.parametrize("context, k, expected", [
+    ([1, 2, 3, 4, 9, 1, 2], 3, [3, 4, 9]),  # the continuation of the earlier match, in order
+    ([1, 2, 3, 4, 9, 1, 2], 8, [3, 4, 9, 1, 2]),  # up to the end of the context
+    ([5, 1, 2, 7, 6, 5, 1, 2, 8, 6, 5, 1, 2], 2, [8, 6]),  # the match reaching furthest back (6 5 1 2)
+    ([1, 2, 7, 1, 2, 8, 1, 2], 1, [8]),  # a tie goes to the latest occurrence
+    ([1, 2, 3, 4, 5], 3, []),  # no earlier occurrence
+])
+def test_lookup_proposes_the_exact_continuation_of_the_best_earlier_match(context, k, expected):
+    assert LookupDrafter(vocab_size=16).lookup(np.asarray(context), k) == expected
+
+
+def test_lookup_proposes_nothing_below_its_minimum_match():
+    context = np.asarray([4, 1, 2, 3, 9, 5, 1, 2, 3])
+    assert LookupDrafter(16, min_match=3).lookup(context, 2) == [9, 5]
+    assert LookupDrafter(16, min_match=4).lookup(context, 2) == []
+
+
+def test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_a_rejection(pair, tok):
+    _, model = pair
+    drafter = ModelDrafter(model.runtime, adaptive=True)
+    context, rng, greedy = tok.encode(PROMPTS[0]), np.random.default_rng(0), SamplingParams()
+    lengths = []
+    for accepted_all in (False, False, True, True, False):
+        draft = drafter.propose(context, 6, greedy, rng)
+        lengths.append(len(draft.tokens))
+        drafter.observe(len(draft.tokens), len(draft.tokens) if accepted_all else 1)
+        drafter.rollback(context)
+    assert lengths == [6, 5, 4, 6, 6]  # asked for 6: two shorter, two longer, capped at the round's 6
+    assert drafter.k == 7
+
+
+def test_a_hybrid_adapts_its_model_only_on_the_model_s_own_drafts(pair):
+    target, model = pair
+    adaptive = ModelDrafter(model.runtime, adaptive=True)
+    hybrid = HybridDrafter(LookupDrafter(target.vocab_size), adaptive)
+    rng, greedy = np.random.default_rng(0), SamplingParams()
+    hybrid.propose([1, 2, 3, 1, 2], 4, greedy, rng)  # a lookup draft
+    hybrid.observe(3, 0)
+    assert adaptive.k is None
+    hybrid.propose([1, 2, 3, 4, 5], 4, greedy, rng)  # no match: the model drafts
+    hybrid.observe(4, 1)
+    assert adaptive.k == 3
+
+
+def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_target):
+    """The target drafting for itself (as the draft runs: masked rollback, 2-token passes with a
+    guess): every drafted token is accepted and each round ends with a bonus token."""
+    target, _ = pair
+    itself = ModelDrafter(Runtime(ir_target, config=EXACT_CONFIG, masked_rollback=True, pass_width=2))
+    prompt = tok.encode(PROMPTS[3] + "\n" + PROMPTS[3])
+    tokens, stats = run(target, itself, prompt, k=4, max_new_tokens=41)
+    assert stats.accepted == stats.drafted == 32
+    assert stats.target_passes == 1 + 40 // 5  # the prompt, then K + 1 = 5 tokens per pass

@@ -1,0 +1,66 @@
+"""The sampling rule every mode shares: temperature, top-k and top-p warp the target's logits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.sampling import SamplingParams, logits_to_probs, next_token
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def entropy(p: np.ndarray) -> float:
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
+def test_temperature_divides_the_logits(temperature):
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=temperature))
+    np.testing.assert_allclose(probs, softmax(LOGITS / temperature), rtol=1e-12)
+
+
+def test_a_low_temperature_sharpens_and_a_high_one_flattens():
+    entropies = [entropy(logits_to_probs(LOGITS, SamplingParams(temperature=t))) for t in (0.3, 1.0, 2.0)]
+    assert entropies[0] < entropies[1] < entropies[2]
+    cold = logits_to_probs(LOGITS, SamplingParams(temperature=0.3))
+    assert cold[0] > softmax(LOGITS)[0] > logits_to_probs(LOGITS, SamplingParams(temperature=2.0))[0]
+
+
+def test_zero_temperature_is_one_hot_on_the_argmax():
+    probs = logits_to_probs(LOGITS[::-1], SamplingParams(temperature=0.0))
+    assert probs.tolist() == [0, 0, 0, 0, 0, 1.0]
+    assert next_token(LOGITS[::-1], SamplingParams(), np.random.default_rng(0)) == 5
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_keeps_the_k_most_likely_tokens_renormalized(k):
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=1.0, top_k=k))
+    np.testing.assert_allclose(probs[:k], softmax(LOGITS[:k]), rtol=1e-12)
+    assert not probs[k:].any()
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.5, 1), (0.6, 2), (0.8, 3), (0.95, 4), (1.0, 6)])
+def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_with_the_mass(top_p, kept):
+    full = softmax(LOGITS)  # 0.561, 0.206, 0.125, 0.076, 0.028, 0.004: cumulative 0.561, 0.767, 0.892, 0.968
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    np.testing.assert_allclose(probs[:kept], full[:kept] / full[:kept].sum(), rtol=1e-12)
+    assert not probs[kept:].any()
+
+
+def test_top_p_applies_to_the_tempered_distribution():
+    tempered = softmax(LOGITS / 0.5)  # 0.83, 0.11, ...: 0.8 of the mass is the first token alone
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=0.5, top_p=0.8))
+    assert tempered[0] > 0.8 and probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_samples_follow_the_warped_distribution():
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    rng = np.random.default_rng(0)
+    counts = np.bincount([next_token(LOGITS, params, rng) for _ in range(20000)], minlength=len(LOGITS))
+    np.testing.assert_allclose(counts / counts.sum(), logits_to_probs(LOGITS, params), atol=0.01)
