@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast prepare bench bench-peers ceiling llama-cpp paper report chromium clean
+.PHONY: setup run test test-fast lint mutants prepare bench bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -25,37 +25,49 @@ run: setup
 chromium:
 	@command -v /usr/bin/chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
-# Everything: tiny-model suite, browser test, and the smoke test on the real default pair.
-test: setup chromium prepare
+# Everything: lint, types, architecture contracts, tiny-model suite, browser test, and the
+# smoke test on the real default pair.
+test: setup lint chromium prepare
 	$(PY) -m pytest -q
 
 # Tiny models only (no real pair, no browser).
 test-fast: setup
 	$(PY) -m pytest -q -m "not real and not browser"
 
+# ruff (lint and format), mypy and the import-linter contracts, all configured in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# One-line mutations of the engine, each run against the fast suite: fails if any survives.
+mutants: setup
+	$(PY) -m tests.mutants $(ARGS)
+
 bench: setup
-	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
+	$(PY) -m engine.tools.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
 		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
 
 # Our modes against both peers on the same models: openvino-genai (same IRs) and plain
 # llama.cpp (same GGUF files; built from source on first use, about 5 min on 2 cores).
 bench-peers: setup llama-cpp
-	$(PY) -m engine.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
+	$(PY) -m engine.tools.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
 		--modes ar,sd,best,genai-ar,genai-sd,llamacpp,llamacpp-sd --json bench-results/peers.json \
 		--table bench-results/peers.md $(ARGS)
 
 llama-cpp: setup
-	$(PY) -m engine.llamacpp
+	$(PY) -m engine.tools.llamacpp
 
-# What no exact drafter can beat with this pair on this machine (see README, Benchmarks).
+# What no exact drafter can beat with this pair on this machine (docs/benchmarks.md, "The ceiling").
 ceiling: setup
-	$(PY) -m engine.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128 $(ARGS)
+	$(PY) -m engine.tools.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128 $(ARGS)
 
 paper: setup
-	$(PY) -m engine.bench --paper $(ARGS)
+	$(PY) -m engine.tools.paper $(ARGS)
 
 report: setup
-	$(PY) -m engine.prepare --report $(ARGS)
+	$(PY) -m engine.tools.quant_report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results

@@ -8,6 +8,7 @@ launch. Per-browser data lives in ``gr.State``; the one engine is shared, and ev
 handler that uses it runs in a single Gradio queue (``concurrency_id="engine"``), so
 users wait their turn and see their place in the queue.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,23 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, ClassVar
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no usage pings to the internet
 
 import gradio as gr
 import pandas as pd
 
+from engine.core.modes import MODES
+from engine.core.service import Engine, Request
 from engine.errors import EngineError
-from engine.prepare import add_model_arguments, prepare_from_args
-from engine.service import Engine, Request
+from engine.prepare.pipeline import add_model_arguments, prepare_from_args
+from engine.tools import paper
+from engine.tools.report import markdown_table, speedup
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 AUTH_ENV = "SPECCHAT_AUTH"
-ENGINE_QUEUE = {"concurrency_id": "engine", "concurrency_limit": 1}  # every engine handler waits here
+ENGINE_QUEUE: dict[str, Any] = {"concurrency_id": "engine", "concurrency_limit": 1}  # every engine handler waits here
 PAPER_LENGTHS = (40, 100)
 PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
 LEGEND = {
@@ -41,13 +46,6 @@ LEGEND = {
     "bonus": "target bonus token",
     "autoregressive": "target, one pass per token",
 }
-MODE_HELP = {  # where the drafts come from
-    "speculative": "draft model",
-    "adaptive": "draft model, stops when unsure, adaptive K",
-    "pld": "prompt lookup",
-    "hybrid": "lookup, else draft model",
-    "best": "fastest measured here (hybrid: prompt lookup, else the draft model at K=4)",
-}
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 
 
@@ -55,9 +53,14 @@ THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hu
 def make_request(messages, mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=True) -> Request:
     """The sidebar's settings as an engine request."""
     return Request(
-        messages=tuple(messages), mode=mode, k=int(k), max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature), top_p=float(top_p),
-        seed=None if seed is None or int(seed) < 0 else int(seed), reuse_cache=reuse_cache,
+        messages=tuple(messages),
+        mode=mode,
+        k=int(k),
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=None if seed is None or int(seed) < 0 else int(seed),
+        reuse_cache=reuse_cache,
     )
 
 
@@ -96,8 +99,11 @@ def render_turn(turn: dict, colour: bool) -> str:
 
 def render_chat(turns: list[dict], colour: bool) -> list[dict]:
     """The chatbot's messages; an empty user message is not drawn, only the error it caused."""
-    return [{"role": t["role"], "content": render_turn(t, colour)}
-            for t in turns if t["role"] == "assistant" or t["content"].strip()]
+    return [
+        {"role": t["role"], "content": render_turn(t, colour)}
+        for t in turns
+        if t["role"] == "assistant" or t["content"].strip()
+    ]
 
 
 def legend_html() -> str:
@@ -137,19 +143,22 @@ def metrics_html(m: dict, status: str = "") -> str:
     ]
     body = "".join(
         f'<div class="card"><div class="value">{html.escape(value)}</div>'
-        f'<div class="label">{html.escape(label)}</div></div>' for label, value in cards
+        f'<div class="label">{html.escape(label)}</div></div>'
+        for label, value in cards
     )
     mode = html.escape(m["mode"])
-    return (f'<div class="metrics" data-mode="{mode}">'
-            f'<div class="metrics-head"><span class="pill pill-{mode}">{mode}</span>'
-            f'<span class="finish">{html.escape(status or m["finish_reason"])}</span></div>'
-            f'<div class="cards">{body}</div></div>')
+    return (
+        f'<div class="metrics" data-mode="{mode}">'
+        f'<div class="metrics-head"><span class="pill pill-{mode}">{mode}</span>'
+        f'<span class="finish">{html.escape(status or m["finish_reason"])}</span></div>'
+        f'<div class="cards">{body}</div></div>'
+    )
 
 
 class Throughput:
     """Tokens/s samples of one stream for the live plot: the running average and each round's rate."""
 
-    COLUMNS = {"time_s": float, "tokens_per_s": float, "series": str}
+    COLUMNS: ClassVar[dict[str, type]] = {"time_s": float, "tokens_per_s": float, "series": str}
 
     def __init__(self):
         self.rows: list[tuple[float, float, str]] = []
@@ -194,14 +203,13 @@ def retry(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, se
         return
     last = users[-1]
     turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
-    yield from stream_answer(engine, turns, colour, (mode, k, temperature, top_p, max_new_tokens, seed),
-                             box=gr.skip())
+    yield from stream_answer(engine, turns, colour, (mode, k, temperature, top_p, max_new_tokens, seed), box=gr.skip())
 
 
 def stream_answer(engine, turns, colour, settings, box):
     """Answer the last user turn. Closing this generator (Stop) closes the engine stream,
     which cancels the request within one round."""
-    answer = {"role": "assistant", "content": "", "pieces": []}
+    answer: dict[str, Any] = {"role": "assistant", "content": "", "pieces": []}
     turns = [*turns, answer]
     throughput = Throughput()
     events = engine.generate(make_request(conversation(turns[:-1]), *settings))
@@ -215,15 +223,22 @@ def stream_answer(engine, turns, colour, settings, box):
                 answer["pieces"] += [list(piece) for piece in event.pieces]
             throughput.add(event.metrics)
             status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
-            yield (box, render_chat(turns, colour), turns, metrics_html(event.metrics, status), event.metrics,
-                   throughput.plot(event.final))
+            yield (
+                box,
+                render_chat(turns, colour),
+                turns,
+                metrics_html(event.metrics, status),
+                event.metrics,
+                throughput.plot(event.final),
+            )
     finally:
         events.close()
 
 
-def stopped(panel, metrics):
-    """The metrics panel once Stop has cancelled a stream (unchanged if none was streaming)."""
-    return metrics_html(metrics, "stopped") if "streaming…" in (panel or "") and metrics else gr.skip()
+def stopped(metrics):
+    """The metrics panel once Stop has cancelled a stream (unchanged if none was streaming: a
+    finished stream's metrics carry its finish reason)."""
+    return metrics_html(metrics, "stopped") if metrics and not metrics["finish_reason"] else gr.skip()
 
 
 def clear_chat():
@@ -239,11 +254,15 @@ def draft_length_for(mode):
 def run_stats(m: dict) -> str:
     if not m:
         return ""
-    line = (f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s"
-            f" · TTFT {_seconds(m['ttft_s'])}")
+    line = (
+        f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s"
+        f" · TTFT {_seconds(m['ttft_s'])}"
+    )
     if m["mode"] != "autoregressive":
-        line = (f"mode **{m['mode']}** · {line} · acceptance {m['acceptance_rate']:.0%}"
-                f" · mean accepted length {m['mean_accepted_length']:.2f}")
+        line = (
+            f"mode **{m['mode']}** · {line} · acceptance {m['acceptance_rate']:.0%}"
+            f" · mean accepted length {m['mean_accepted_length']:.2f}"
+        )
     return line
 
 
@@ -252,23 +271,27 @@ def verdict_html(finals: dict, temperature: float) -> str:
     if len(finals) < 2:
         return ""
     ar, sd = finals["autoregressive"], finals["speculative"]
-    speedup = ar.metrics["wall_s"] / sd.metrics["wall_s"] if sd.metrics["wall_s"] else 0.0
+    times = speedup(ar.metrics["wall_s"], sd.metrics["wall_s"]) or 0.0
     if ar.token_ids == sd.token_ids:
         badge = '<span class="badge same">✓ identical output</span>'
     else:
         why = " (sampling: equal only in distribution)" if temperature > 0 else ""
         badge = f'<span class="badge differ">outputs differ{html.escape(why)}</span>'
-    walls = f'AR {ar.metrics["wall_s"]:.2f} s / SD {sd.metrics["wall_s"]:.2f} s'
-    return (f'<div class="verdict"><span class="speedup">{speedup:.2f}× speedup</span>'
-            f'<span class="detail">{walls}</span>{badge}</div>')
+    walls = f"AR {ar.metrics['wall_s']:.2f} s / SD {sd.metrics['wall_s']:.2f} s"
+    return (
+        f'<div class="verdict"><span class="speedup">{times:.2f}× speedup</span>'
+        f'<span class="detail">{walls}</span>{badge}</div>'
+    )
 
 
 def speed_frame(finals: dict) -> pd.DataFrame | None:
     """Tokens/s of both modes (0 for one still to run): the bar chart draws only the bars it first saw."""
     if not finals:
         return None
-    rows = [(mode, finals[mode].metrics["tokens_per_s"] if mode in finals else 0.0)
-            for mode in ("autoregressive", "speculative")]
+    rows = [
+        (mode, finals[mode].metrics["tokens_per_s"] if mode in finals else 0.0)
+        for mode in ("autoregressive", "speculative")
+    ]
     return pd.DataFrame(rows, columns=["mode", "tokens_per_s"]).astype({"mode": str, "tokens_per_s": float})
 
 
@@ -278,16 +301,23 @@ def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
     fast = mode if mode != "autoregressive" else engine.modes[0]
     messages = ({"role": "user", "content": prompt},)
     texts = {"autoregressive": "", "speculative": ""}
-    metrics = {"autoregressive": {}, "speculative": {}}
+    metrics: dict[str, dict] = {"autoregressive": {}, "speculative": {}}
     finals: dict = {}
 
     def outputs():
-        return (texts["autoregressive"], texts["speculative"], run_stats(metrics["autoregressive"]),
-                run_stats(metrics["speculative"]), verdict_html(finals, float(temperature)), speed_frame(finals))
+        return (
+            texts["autoregressive"],
+            texts["speculative"],
+            run_stats(metrics["autoregressive"]),
+            run_stats(metrics["speculative"]),
+            verdict_html(finals, float(temperature)),
+            speed_frame(finals),
+        )
 
     for side, run_mode in (("autoregressive", "autoregressive"), ("speculative", fast)):
-        events = engine.generate(make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed,
-                                              reuse_cache=False))
+        events = engine.generate(
+            make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=False)
+        )
         try:
             for event in events:
                 if event.kind == "error":
@@ -304,10 +334,13 @@ def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
             events.close()
 
 
+PAPER_COLUMNS = [c for c in paper.COLUMNS if c.key not in ("setup", "target_kv_kib", "draft_kv_kib")]
+
+
 def paper_table(engine, prompt, k):
     """AR vs SD at N = 40 and 100 new tokens, greedy, fresh caches: the paper's table."""
     messages = ({"role": "user", "content": prompt},)
-    rows: list[str] = []
+    rows: list[dict] = []
     for n in PAPER_LENGTHS:
         ar_wall = None
         for mode in ("autoregressive", "speculative"):
@@ -325,18 +358,23 @@ def paper_table(engine, prompt, k):
             finally:
                 events.close()
             ar_wall = m["wall_s"] if mode == "autoregressive" else ar_wall
-            speedup = ar_wall / m["wall_s"] if m["wall_s"] else 0.0
-            label = f"speculative (K={int(k)})" if mode == "speculative" else mode
-            acceptance = f"{m['acceptance_rate']:.0%}" if mode == "speculative" else "—"
-            rows.append(f"| {label} | {n} | {m['tokens_per_s']:.1f} | {speedup:.2f}× | {acceptance} "
-                        f"| {m['mean_accepted_length']:.2f} |")
+            speculative = mode == "speculative"
+            rows.append(
+                {
+                    "mode": f"speculative (K={int(k)})" if speculative else mode,
+                    "n": n,
+                    "tokens_per_s": m["tokens_per_s"],
+                    "speedup_vs_ar": speedup(ar_wall, m["wall_s"]),
+                    "acceptance_rate": m["acceptance_rate"] if speculative else None,
+                    "mean_accepted_length": m["mean_accepted_length"],
+                }
+            )
             yield table_markdown(rows, "")
     yield table_markdown(rows, "greedy, fresh KV caches per run; speedup = AR wall time / SD wall time")
 
 
-def table_markdown(rows: list[str], note: str) -> str:
-    head = "| mode | N | tokens/s | speedup | acceptance | mean accepted length |\n|---|---|---|---|---|---|\n"
-    return head + "\n".join(rows) + (f"\n\n_{note}_" if note else "")
+def table_markdown(rows: list[dict], note: str) -> str:
+    return markdown_table(rows, PAPER_COLUMNS) + (f"\n\n_{note}_" if note else "")
 
 
 # -- layout and wiring ------------------------------------------------------------------------
@@ -344,51 +382,83 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
     """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default: assets/examples.json)."""
     examples = load_examples() if examples is None else examples
     max_tokens = max(16, min(2048, engine.max_context))
-    with gr.Blocks(title="SpecChat · speculative decoding on CPU", analytics_enabled=False, fill_height=True,
-                   fill_width=True) as demo:
+    with gr.Blocks(
+        title="SpecChat · speculative decoding on CPU", analytics_enabled=False, fill_height=True, fill_width=True
+    ) as demo:
         turns = gr.State([])
 
         with gr.Sidebar(width=360, label="Settings"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
-            mode = gr.Radio(list(engine.modes), label="Decoding mode", elem_id="mode",
-                            value=engine.modes[0],
-                            info=" · ".join(f"{m}: {MODE_HELP[m]}" for m in engine.modes if m in MODE_HELP))
+            mode = gr.Radio(
+                list(engine.modes),
+                label="Decoding mode",
+                elem_id="mode",
+                value=engine.modes[0],
+                info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
+            )
             k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
             top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
-            max_new_tokens = gr.Slider(16, max_tokens, value=min(256, max_tokens), step=8, label="Max new tokens",
-                                       elem_id="max-new-tokens")
+            max_new_tokens = gr.Slider(
+                16, max_tokens, value=min(256, max_tokens), step=8, label="Max new tokens", elem_id="max-new-tokens"
+            )
             seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
             gr.Markdown("### Live metrics")
             metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
-            tps_plot = gr.LinePlot(None, x="time_s", y="tokens_per_s", color="series",
-                                   x_title="time (s)", y_title="tokens/s", title="tokens/s while streaming",
-                                   height=220, elem_id="tps-plot",
-                                   color_map={"average": "#4f46e5", "this round": "#10b981"})
+            tps_plot = gr.LinePlot(
+                None,
+                x="time_s",
+                y="tokens_per_s",
+                color="series",
+                x_title="time (s)",
+                y_title="tokens/s",
+                title="tokens/s while streaming",
+                height=220,
+                elem_id="tps-plot",
+                color_map={"average": "#4f46e5", "this round": "#10b981"},
+            )
             with gr.Accordion("All metrics (JSON)", open=False):
                 metrics_json = gr.JSON(label="metrics")
 
         with gr.Tab("Chat"):
-            chatbot = gr.Chatbot(label="Chat", height=520, elem_id="chatbot", latex_delimiters=[],
-                                 buttons=["copy", "copy_all"],
-                                 placeholder="Ask for some code. Tokens stream as the target accepts them.")
+            chatbot = gr.Chatbot(
+                label="Chat",
+                height=520,
+                elem_id="chatbot",
+                latex_delimiters=[],
+                buttons=["copy", "copy_all"],
+                placeholder="Ask for some code. Tokens stream as the target accepts them.",
+            )
             with gr.Row(equal_height=True):
                 colour = gr.Checkbox(False, label="Colour tokens by provenance", scale=0, min_width=260)
                 gr.HTML(legend_html())
             with gr.Row(equal_height=True):
-                message = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=6,
-                                     lines=1, max_lines=8, elem_id="message", autofocus=True)
+                message = gr.Textbox(
+                    placeholder="Type a message and press Enter",
+                    show_label=False,
+                    scale=6,
+                    lines=1,
+                    max_lines=8,
+                    elem_id="message",
+                    autofocus=True,
+                )
                 send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="send")
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", size="sm", elem_id="stop")
                 again = gr.Button("Retry", size="sm", elem_id="retry")
                 clear = gr.Button("Clear", size="sm", elem_id="clear")
-            gr.Examples([[e["prompt"]] for e in examples], inputs=[message],
-                        example_labels=[e["label"] for e in examples], label="Examples")
+            gr.Examples(
+                [[e["prompt"]] for e in examples],
+                inputs=[message],
+                example_labels=[e["label"] for e in examples],
+                label="Examples",
+            )
 
         with gr.Tab("Compare"):
-            gr.Markdown("One prompt, autoregressive then the sidebar's speculative mode on the same engine "
-                        "(fresh caches each); settings from the sidebar.")
+            gr.Markdown(
+                "One prompt, autoregressive then the sidebar's speculative mode on the same engine "
+                "(fresh caches each); settings from the sidebar."
+            )
             prompt = gr.Textbox(label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "")
             with gr.Row():
                 run_compare = gr.Button("Compare", variant="primary")
@@ -404,24 +474,50 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
                     gr.Markdown("#### Speculative")
                     sd_text = gr.Markdown(height=320, container=True, latex_delimiters=[])
                     sd_stats = gr.Markdown()
-            speed_bars = gr.BarPlot(None, x="mode", y="tokens_per_s", color="mode", height=220,
-                                    title="tokens/s", y_title="tokens/s", y_lim=[0, None],
-                                    color_map={"autoregressive": "#94a3b8", "speculative": "#4f46e5"})
+            speed_bars = gr.BarPlot(
+                None,
+                x="mode",
+                y="tokens_per_s",
+                color="mode",
+                height=220,
+                title="tokens/s",
+                y_title="tokens/s",
+                y_lim=[0, None],
+                color_map={"autoregressive": "#94a3b8", "speculative": "#4f46e5"},
+            )
             table = gr.Markdown(elem_id="paper-table")
-            gr.Examples([[e["prompt"]] for e in examples], inputs=[prompt],
-                        example_labels=[e["label"] for e in examples], label="Examples")
+            gr.Examples(
+                [[e["prompt"]] for e in examples],
+                inputs=[prompt],
+                example_labels=[e["label"] for e in examples],
+                label="Examples",
+            )
 
         # -- wiring --
         settings = [mode, k, temperature, top_p, max_new_tokens, seed]
         chat_out = [message, chatbot, turns, metrics_panel, metrics_json, tps_plot]
         chat_events = [
-            gr.on([message.submit, send.click], partial(respond, engine), [message, turns, colour, *settings],
-                  chat_out, api_name="respond", show_progress_on=chatbot, **ENGINE_QUEUE),
-            again.click(partial(retry, engine), [turns, colour, *settings], chat_out, api_name="retry",
-                        show_progress_on=chatbot, **ENGINE_QUEUE),
+            gr.on(
+                [message.submit, send.click],
+                partial(respond, engine),
+                [message, turns, colour, *settings],
+                chat_out,
+                api_name="respond",
+                show_progress_on=chatbot,
+                **ENGINE_QUEUE,
+            ),
+            again.click(
+                partial(retry, engine),
+                [turns, colour, *settings],
+                chat_out,
+                api_name="retry",
+                show_progress_on=chatbot,
+                **ENGINE_QUEUE,
+            ),
         ]
-        stop.click(None, cancels=chat_events).then(stopped, [metrics_panel, metrics_json], metrics_panel,
-                                                   queue=False, api_visibility="private")
+        stop.click(None, cancels=chat_events).then(
+            stopped, metrics_json, metrics_panel, queue=False, api_visibility="private"
+        )
         clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False)
         chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, queue=False, api_visibility="private")
@@ -429,34 +525,52 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
 
         compare_out = [ar_text, sd_text, ar_stats, sd_stats, verdict, speed_bars]
         compare_events = [
-            run_compare.click(partial(compare, engine), [prompt, *settings],
-                              compare_out, api_name="compare", **ENGINE_QUEUE),
-            run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table",
-                            **ENGINE_QUEUE),
+            run_compare.click(
+                partial(compare, engine), [prompt, *settings], compare_out, api_name="compare", **ENGINE_QUEUE
+            ),
+            run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table", **ENGINE_QUEUE),
         ]
-        stop_compare.click(None, cancels=compare_events)
+        stop_compare.click(None, cancels=compare_events)  # type: ignore[arg-type]  # Gradio takes its events here
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo
 
 
 # -- launch -----------------------------------------------------------------------------------
-def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           auth: tuple[str, str] | None = None, block: bool = True) -> str:
+def launch(
+    demo: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    share: bool = False,
+    auth: tuple[str, str] | None = None,
+    block: bool = True,
+) -> str:
     """Serve ``demo`` and return its local URL. Where no share link can be made (no internet,
     no tunnel client), say so in one line and keep serving locally."""
     gradio_says = io.StringIO()
     with contextlib.redirect_stdout(gradio_says) if share else contextlib.nullcontext():
-        demo.launch(server_name=host, server_port=port, share=share, auth=auth, prevent_thread_lock=True,
-                    quiet=True, show_error=True, theme=THEME, css_paths=[ASSETS / "style.css"],
-                    footer_links=["api", "settings"])
-    local = demo.local_url
+        demo.launch(
+            server_name=host,
+            server_port=port,
+            share=share,
+            auth=auth,
+            prevent_thread_lock=True,
+            quiet=True,
+            show_error=True,
+            theme=THEME,
+            css_paths=[ASSETS / "style.css"],
+            footer_links=["api", "settings"],
+        )
+    local = str(demo.local_url)
     if share and demo.share_url:
         print(f"serving at {local} and at the public link {demo.share_url}", flush=True)
     elif share:
         said = next((line.strip() for line in gradio_says.getvalue().splitlines() if line.strip()), "")
         reason = said.removeprefix("Could not create share link.").strip().rstrip(".") or "no tunnel"
-        print(f"share link unavailable: Gradio could not open its tunnel ({reason}; it needs internet access); "
-              f"serving locally at {local}", flush=True)
+        print(
+            f"share link unavailable: Gradio could not open its tunnel ({reason}; it needs internet access); "
+            f"serving locally at {local}",
+            flush=True,
+        )
     else:
         print(f"serving at {local}", flush=True)
     if block:
@@ -474,8 +588,9 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python app.py", description="Chat with an LLM on CPU, sped up by "
-                                     "speculative decoding (OpenVINO).")
+    parser = argparse.ArgumentParser(
+        prog="python app.py", description="Chat with an LLM on CPU, sped up by speculative decoding (OpenVINO)."
+    )
     add_model_arguments(parser)
     parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

@@ -1,4 +1,5 @@
 """Session fixtures: tiny models built once, prepared through the real conversion path."""
+
 from __future__ import annotations
 
 import os
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.convert import Compression
-from engine.prepare import draft_compression, prepare_one
-from engine.runtime import EXACT_CONFIG
+from engine.core.runtime import EXACT_CONFIG
+from engine.prepare.convert import Compression
+from engine.prepare.pipeline import draft_compression, prepare_one
 from tests.tiny import build_model, build_tokenizer
 
 
@@ -57,7 +58,7 @@ def ir_draft(hf_draft, tiny_cache) -> Path:
 @pytest.fixture(scope="session")
 def engine(ir_target, ir_draft):
     """An engine on the tiny pair at f32, where speculative decoding must be exact."""
-    from engine.service import Engine
+    from engine.core.service import Engine
 
     return Engine(ir_target, ir_draft, config=EXACT_CONFIG)
 
@@ -65,9 +66,9 @@ def engine(ir_target, ir_draft):
 @pytest.fixture(scope="session")
 def real_pair():
     """The prepared default pair, or skip where it is not prepared."""
-    from engine.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-    from engine.prepare import cached, default_cache_dir, entry_dir
-    from engine.sources import resolve
+    from engine.prepare.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+    from engine.prepare.pipeline import cached, default_cache_dir, entry_dir
+    from engine.prepare.sources import resolve
 
     cache = default_cache_dir()
     compressions = {DEFAULT_TARGET: Compression("int4"), DEFAULT_DRAFT: draft_compression()}
@@ -75,7 +76,7 @@ def real_pair():
     if not all(dirs) and not os.environ.get("SPECCHAT_PREPARE_REAL"):
         pytest.skip("the default pair is not prepared (python -m engine.prepare)")
     if not all(dirs):
-        from engine.prepare import prepare_pair
+        from engine.prepare.pipeline import prepare_pair
 
         dirs = prepare_pair(DEFAULT_TARGET, DEFAULT_DRAFT, *compressions.values(), cache)
     return tuple(d.path for d in dirs)

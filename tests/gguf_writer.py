@@ -19,6 +19,7 @@ Loader quirks (transformers 5.5) worth knowing when asserting on the reloaded to
 - keep the GGUF in a folder without ``tokenizer_config.json``/``tokenizer.json``: AutoTokenizer
   would otherwise build the tokenizer from those files instead of the GGUF.
 """
+
 from __future__ import annotations
 
 import json
@@ -112,8 +113,11 @@ def write_gguf(hf_folder: Path, out_path: Path) -> Path:
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     if isinstance(eos, list):
         eos = eos[0]
-    for add, token_id in ((writer.add_bos_token_id, bos), (writer.add_eos_token_id, eos),
-                          (writer.add_pad_token_id, tokenizer.pad_token_id)):
+    for add, token_id in (
+        (writer.add_bos_token_id, bos),
+        (writer.add_eos_token_id, eos),
+        (writer.add_pad_token_id, tokenizer.pad_token_id),
+    ):
         if token_id is not None:
             add(int(token_id))
     # Without this key transformers' llama GGUF tokenizer assumes a sentencepiece-style
@@ -161,8 +165,10 @@ _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _make_tokenizer(arch: str, folder: Path) -> None:
@@ -173,23 +179,31 @@ def _make_tokenizer(arch: str, folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     if arch == "qwen2":
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     tok.add_special_tokens(_SPECIALS)  # appended after the BPE vocab, as in Qwen
     if arch == "llama":  # llama tokenizers prepend BOS, and transformers' llama GGUF tokenizer always does
         tok.post_processor = processors.TemplateProcessing(
-            single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
-            special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))])
+            single="<|endoftext|> $A",
+            pair="<|endoftext|> $A <|endoftext|> $B",
+            special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))],
+        )
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         chat_template=_CHAT_TEMPLATE,
     ).save_pretrained(folder)
 
@@ -198,10 +212,20 @@ def _make_model(arch: str, folder: Path, vocab_size: int, tied: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
-    config = config_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
-                        rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
-                        bos_token_id=vocab_size - 3, eos_token_id=vocab_size - 1)
+    config = config_cls(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=vocab_size - 3,
+        eos_token_id=vocab_size - 1,
+    )
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():  # default init leaves biases at 0 and norms at 1: randomize everything
@@ -214,8 +238,13 @@ def _self_check() -> None:
     import tempfile
     import time
 
-    texts = ["héllo 日本 🙂", "Hello, world! 123 don't", "  spaces\n\nand\ttabs ",
-             "<|im_start|>user\nCafé?<|im_end|>\n", "Привет 🚀 ∑"]
+    texts = [
+        "héllo 日本 🙂",
+        "Hello, world! 123 don't",
+        "  spaces\n\nand\ttabs ",
+        "<|im_start|>user\nCafé?<|im_end|>\n",
+        "Привет 🚀 ∑",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for arch, tied in (("qwen2", False), ("llama", False), ("llama", True)):
             start = time.perf_counter()
@@ -237,16 +266,19 @@ def _self_check() -> None:
             ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
             got = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name, dtype=torch.float32).eval()
             assert got.config.model_type == arch and not got.config.tie_word_embeddings
-            chat = ref_tok.apply_chat_template([{"role": "user", "content": " ".join(texts)}], tokenize=False,
-                                               add_generation_prompt=True)
+            chat = ref_tok.apply_chat_template(
+                [{"role": "user", "content": " ".join(texts)}], tokenize=False, add_generation_prompt=True
+            )
             ids = torch.tensor([ref_tok.encode(chat)])
             with torch.no_grad():
                 diff = (ref(ids).logits - got(ids).logits).abs().max().item()
             assert diff < 1e-4, (arch, diff)
             # eos is informational: transformers does not take it from the GGUF (module docstring).
-            print(f"{arch} (tied={tied}): {ids.shape[1]} tokens, max |dlogits| = {diff:.2e}, "
-                  f"{type(tok).__name__} eos={tok.eos_token} (source eos={ref_tok.eos_token}), "
-                  f"{time.perf_counter() - start:.1f}s")
+            print(
+                f"{arch} (tied={tied}): {ids.shape[1]} tokens, max |dlogits| = {diff:.2e}, "
+                f"{type(tok).__name__} eos={tok.eos_token} (source eos={ref_tok.eos_token}), "
+                f"{time.perf_counter() - start:.1f}s"
+            )
     print("gguf_writer self-check passed")
 
 

@@ -1,6 +1,8 @@
 """The web app, driven over HTTP by gradio_client against a real server on the tiny engine."""
+
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -12,8 +14,15 @@ from gradio_client import Client
 
 import app
 
-GREEDY = {"colour": False, "mode": "speculative", "k": 4, "temperature": 0.0, "top_p": 1.0,
-          "max_new_tokens": 48, "seed": -1}
+GREEDY = {
+    "colour": False,
+    "mode": "speculative",
+    "k": 4,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "max_new_tokens": 48,
+    "seed": -1,
+}
 
 
 def free_port() -> int:
@@ -61,7 +70,7 @@ def test_answer_streams_in_several_updates(client):
     answers = [last_answer(o) for o in outputs if o[1] and o[1][-1]["role"] == "assistant"]
     growing = [a for a in dict.fromkeys(answers) if a]
     assert len(growing) >= 3
-    assert all(later.startswith(earlier) for earlier, later in zip(growing, growing[1:]))
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(growing))
 
 
 def test_metrics_are_shown_and_change_while_streaming(client):
@@ -93,8 +102,10 @@ def test_colouring_marks_each_token_run_with_its_provenance(client, engine):
 
 def test_coloured_runs_join_tokens_of_one_provenance():
     view = app.coloured_html([["a", "draft"], ["b", "draft"], ["c", "bonus"], ["", "target"], ["d", "draft"]])
-    assert view == ('<div class="token-view"><span class="tok tok-draft">ab</span>'
-                    '<span class="tok tok-bonus">c</span><span class="tok tok-draft">d</span></div>')
+    assert view == (
+        '<div class="token-view"><span class="tok tok-draft">ab</span>'
+        '<span class="tok tok-bonus">c</span><span class="tok tok-draft">d</span></div>'
+    )
 
 
 def test_coloured_text_is_escaped():
@@ -199,9 +210,19 @@ def test_compare_streams_both_modes_and_greedy_outputs_are_identical(client):
 
 def test_paper_table_has_a_row_per_mode_and_length(client):
     table = client.predict("def add(a, b):", 4, api_name="/paper_table")
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [(r.split("|")[1].strip().split()[0], r.split("|")[2].strip()) for r in rows] == [
-        ("autoregressive", "40"), ("speculative", "40"), ("autoregressive", "100"), ("speculative", "100")]
+    lines = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [dict(zip(cells(lines[0]), cells(line))) for line in lines[1:]]
+    assert [(r["mode"].split()[0], r["N"]) for r in rows] == [
+        ("autoregressive", "40"),
+        ("speculative", "40"),
+        ("autoregressive", "100"),
+        ("speculative", "100"),
+    ]
+    assert all(r["speedup vs ar"].endswith("×") for r in rows)
+
+
+def cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
 # -- launch -----------------------------------------------------------------------------------
@@ -214,7 +235,8 @@ def test_wrong_password_is_refused_and_every_route_needs_the_login(engine):
             assert httpx.get(url + route).status_code == 401
         assert httpx.post(url + "gradio_api/queue/join", json={}).status_code == 401
         answer = Client(url, auth=("ada", "lovelace"), verbose=False).predict(
-            "def add(a, b):", *{**GREEDY, "max_new_tokens": 16}.values(), api_name="/respond")
+            "def add(a, b):", *{**GREEDY, "max_new_tokens": 16}.values(), api_name="/respond"
+        )
         assert answer[3]["new_tokens"] > 0
     finally:
         demo.close()

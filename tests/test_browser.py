@@ -1,6 +1,7 @@
 """The page in a real Chromium: tokens stream, metrics move, the mode toggles.
 
 On the real default pair (where it is prepared) it also takes the README screenshot."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,15 @@ import app
 from tests.test_app import SlowEngine, serve
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
 
 pytestmark = [
@@ -107,7 +115,7 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_p
 
 @pytest.mark.real
 def test_real_pair_answers_in_the_browser_and_the_screenshot_is_taken(open_app, real_pair):
-    from engine.service import Engine
+    from engine.core.service import Engine
 
     page = open_app(Engine(*real_pair))
     page.get_by_label("Colour tokens by provenance").check()

@@ -1,4 +1,5 @@
 """Exactness of speculative decoding and KV-cache handling on tiny f32 models."""
+
 from __future__ import annotations
 
 import time
@@ -8,12 +9,13 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.decoding import DecodeConfig, decode
-from engine.drafters import HybridDrafter, LookupDrafter, ModelDrafter
-from engine.metrics import Stats
-from engine.runtime import EXACT_CONFIG, Runtime, common_prefix
-from engine.sampling import SamplingParams, logits_to_probs
-from engine.service import Request
+from engine.core.decoding import DecodeConfig, decode
+from engine.core.drafters import HybridDrafter, LookupDrafter, ModelDrafter
+from engine.core.metrics import Stats
+from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
+from engine.core.sampling import SamplingParams, logits_to_probs
+from engine.core.service import Request
+from engine.tools.bench import top2_margin
 
 PROMPTS = [
     "def add(a, b):",
@@ -109,8 +111,9 @@ def test_a_guess_changes_the_draft_passes_never_the_drafts(pair, tok):
     results = {}
     for guesser in ("none", "random", "real"):
         drafter = ModelDrafter(model.runtime)
-        drafter.guesser = {"none": None, "random": RandomGuesser(model.runtime.vocab_size)}.get(guesser,
-                                                                                                drafter.guesser)
+        drafter.guesser = {"none": None, "random": RandomGuesser(model.runtime.vocab_size)}.get(
+            guesser, drafter.guesser
+        )
         before = model.runtime.passes
         tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40)
         results[guesser] = (tokens, stats.drafted, stats.accepted), model.runtime.passes - before
@@ -149,9 +152,9 @@ def target_outcomes(target, prompt: list[int], params: SamplingParams, n: int, d
     for _ in range(n):
         grown = {}
         for prefix, p in outcomes.items():
-            probs = logits_to_probs(target.score(prompt + list(prefix))[-1], params)
+            probs = logits_to_probs(target.sync(prompt + list(prefix))[-1], params)
             for token in np.flatnonzero(p * probs * draws >= 1):
-                grown[prefix + (int(token),)] = p * probs[token]
+                grown[(*prefix, int(token))] = p * probs[token]
         outcomes = grown
     return outcomes
 
@@ -159,9 +162,11 @@ def target_outcomes(target, prompt: list[int], params: SamplingParams, n: int, d
 WARPED = SamplingParams(temperature=0.7, top_p=0.9)
 
 
-@pytest.mark.parametrize("kind, params", [(kind, SamplingParams(1.0)) for kind in
-                                          ("model", "small-head", "hybrid", "hybrid-span")]
-                         + [("model", WARPED), ("hybrid", WARPED)])
+@pytest.mark.parametrize(
+    "kind, params",
+    [(kind, SamplingParams(1.0)) for kind in ("model", "small-head", "hybrid", "hybrid-span")]
+    + [("model", WARPED), ("hybrid", WARPED)],
+)
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
@@ -180,8 +185,9 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params):
     assert drafted >= draws, "every run should have drafted in its second round"
     draft_counts: dict[tuple, int] = {}
     for seed in range(draws):
-        tokens, _ = run(model.runtime, None, prompt, speculative=False, max_new_tokens=n,
-                        sampling=replace(params, seed=seed))
+        tokens, _ = run(
+            model.runtime, None, prompt, speculative=False, max_new_tokens=n, sampling=replace(params, seed=seed)
+        )
         draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
 
     target.reset()
@@ -205,9 +211,10 @@ def test_a_stop_token_ends_the_answer_with_nothing_after_it(pair, tok):
     free, _ = run(target, drafter, prompt, speculative=False, max_new_tokens=30)
     stop = next(t for i, t in enumerate(free) if i >= 5 and t not in free[:i])  # first seen mid-answer
     for speculative in (False, True):
-        tokens, stats = run(target, drafter, prompt, speculative=speculative, k=4, max_new_tokens=30,
-                            stop_ids=frozenset({stop}))
-        assert tokens == free[:free.index(stop)]
+        tokens, stats = run(
+            target, drafter, prompt, speculative=speculative, k=4, max_new_tokens=30, stop_ids=frozenset({stop})
+        )
+        assert tokens == free[: free.index(stop)]
         assert stats.finish_reason == "stop"
 
 
@@ -215,11 +222,11 @@ def test_a_stop_string_ends_the_answer_just_before_it(engine):
     chat = ({"role": "user", "content": PROMPTS[0]},)
     full = engine.run(Request(chat, max_new_tokens=30, reuse_cache=False))
     text = engine.tokenizer.decode(full.token_ids, skip_special_tokens=True)
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert full.metrics["finish_reason"] == "length" and len(stop) == 3
     stream = engine.generate(Request(chat, max_new_tokens=30, stop_strings=("never there", stop)))
     events = list(stream)
-    assert "".join(e.text for e in events) == text[:text.index(stop)]
+    assert "".join(e.text for e in events) == text[: text.index(stop)]
     assert events[-1].metrics["finish_reason"] == "stop"
 
 
@@ -231,12 +238,11 @@ def slowed(monkeypatch, runtime, seconds: float) -> None:
 
 def test_cancelling_a_stream_stops_the_engine_within_one_round(engine, monkeypatch):
     slowed(monkeypatch, engine.target, 0.05)  # 200 tokens would take 10 s or more
-    stream = engine.generate(Request(({"role": "user", "content": PROMPTS[1]},), max_new_tokens=200,
-                                     reuse_cache=False))
+    stream = engine.generate(Request(({"role": "user", "content": PROMPTS[1]},), max_new_tokens=200, reuse_cache=False))
     assert next(stream).kind == "delta"
     start = time.monotonic()
     stream.cancel()
-    final = [e for e in stream if e.final][0]
+    final = next(e for e in stream if e.final)
     assert time.monotonic() - start < 1.0
     assert final.kind == "done" and final.metrics["finish_reason"] == "cancelled"
     assert 0 < final.metrics["new_tokens"] < 200
@@ -268,7 +274,7 @@ def test_multi_turn_reuses_the_cache_and_equals_a_fresh_run(engine):
     turn1 = ({"role": "user", "content": PROMPTS[0]},)
     first = engine.run(Request(turn1, max_new_tokens=20, reuse_cache=False))
     answer = engine.tokenizer.decode(first.token_ids, skip_special_tokens=True)
-    turn2 = turn1 + ({"role": "assistant", "content": answer}, {"role": "user", "content": PROMPTS[3]})
+    turn2 = (*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": PROMPTS[3]})
     prompt1, prompt2 = engine.prompt_ids(Request(turn1)), engine.prompt_ids(Request(turn2))
     cached = common_prefix(engine.target.tokens, prompt2)
     widths = []
@@ -313,16 +319,20 @@ def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, 
     for token in prefix:
         logits = steps.forward([token])[-1]
     top = np.sort(logits)[-2:]
-    assert engine.top2_margin(prompt, prefix) == pytest.approx(float(top[1] - top[0]), abs=0)
+    margin = engine.with_models(lambda target, _: top2_margin(target, prompt, prefix))
+    assert margin == pytest.approx(float(top[1] - top[0]), abs=0)
 
 
-@pytest.mark.parametrize("context, k, expected", [
-    ([1, 2, 3, 4, 9, 1, 2], 3, [3, 4, 9]),  # the continuation of the earlier match, in order
-    ([1, 2, 3, 4, 9, 1, 2], 8, [3, 4, 9, 1, 2]),  # up to the end of the context
-    ([5, 1, 2, 7, 6, 5, 1, 2, 8, 6, 5, 1, 2], 2, [8, 6]),  # the match reaching furthest back (6 5 1 2)
-    ([1, 2, 7, 1, 2, 8, 1, 2], 1, [8]),  # a tie goes to the latest occurrence
-    ([1, 2, 3, 4, 5], 3, []),  # no earlier occurrence
-])
+@pytest.mark.parametrize(
+    "context, k, expected",
+    [
+        ([1, 2, 3, 4, 9, 1, 2], 3, [3, 4, 9]),  # the continuation of the earlier match, in order
+        ([1, 2, 3, 4, 9, 1, 2], 8, [3, 4, 9, 1, 2]),  # up to the end of the context
+        ([5, 1, 2, 7, 6, 5, 1, 2, 8, 6, 5, 1, 2], 2, [8, 6]),  # the match reaching furthest back (6 5 1 2)
+        ([1, 2, 7, 1, 2, 8, 1, 2], 1, [8]),  # a tie goes to the latest occurrence
+        ([1, 2, 3, 4, 5], 3, []),  # no earlier occurrence
+    ],
+)
 def test_lookup_proposes_the_exact_continuation_of_the_best_earlier_match(context, k, expected):
     assert LookupDrafter(vocab_size=16).lookup(np.asarray(context), k) == expected
 
@@ -366,6 +376,6 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_tar
     target, _ = pair
     itself = ModelDrafter(Runtime(ir_target, config=EXACT_CONFIG, masked_rollback=True, pass_width=2))
     prompt = tok.encode(PROMPTS[3] + "\n" + PROMPTS[3])
-    tokens, stats = run(target, itself, prompt, k=4, max_new_tokens=41)
+    _tokens, stats = run(target, itself, prompt, k=4, max_new_tokens=41)
     assert stats.accepted == stats.drafted == 32
     assert stats.target_passes == 1 + 40 // 5  # the prompt, then K + 1 = 5 tokens per pass

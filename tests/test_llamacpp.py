@@ -1,18 +1,19 @@
 """The llama.cpp peer: its errors, and (where llama.cpp is built) a real server on a tiny GGUF."""
+
 from __future__ import annotations
 
 import pytest
 
-from engine import llamacpp
 from engine.errors import EngineError
-from engine.prepare import default_cache_dir
+from engine.prepare.pipeline import default_cache_dir
+from engine.tools import llamacpp
 from tests.gguf_writer import write_gguf
 
 SERVER = llamacpp.server_binary(default_cache_dir())
 
 
 def test_a_missing_server_says_how_to_build_it(tmp_path):
-    with pytest.raises(EngineError, match="python -m engine.llamacpp"):
+    with pytest.raises(EngineError, match=r"python -m engine\.tools\.llamacpp"):
         llamacpp.LlamaCppPeer(tmp_path / "llama-server", tmp_path / "model.gguf")
 
 
@@ -29,7 +30,7 @@ def test_the_llama_cpp_modes_need_a_gguf_model(ir_target, tiny_cache):
         llamacpp.gguf_file(str(ir_target), tiny_cache)
 
 
-@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m engine.llamacpp)")
+@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m engine.tools.llamacpp)")
 def test_the_server_decodes_greedily_from_a_gguf(hf_target, tiny_dir, tiny_cache):
     (tiny_dir / "gguf").mkdir(exist_ok=True)
     gguf = write_gguf(hf_target, tiny_dir / "gguf" / "tiny-qwen2.gguf")

@@ -1,4 +1,5 @@
 """Model preparation: every source kind through the real conversion path, and its errors."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import embedded, prepare
-from engine.convert import Compression
+from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.errors import PrepareError
-from engine.prepare import prepare_one
-from engine.runtime import EXACT_CONFIG, Runtime
-from engine.sources import Kind, Source
-from engine.vocab import Vocabulary
+from engine.prepare import embedded
+from engine.prepare import pipeline as prepare
+from engine.prepare.convert import Compression
+from engine.prepare.pipeline import prepare_one
+from engine.prepare.sources import Kind, Source
+from engine.prepare.vocab import Vocabulary
 from tests.gguf_writer import write_gguf
 from tests.tiny import build_model, build_tokenizer
 
@@ -40,8 +42,12 @@ def ov_logits(ir: Path, tokens: list[int]) -> np.ndarray:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.prepare", *args], capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.prepare", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +87,19 @@ def test_compressed_irs_run_and_stay_close_to_fp16(precision, min_correlation, h
 
 
 def test_second_prepare_is_a_cache_hit_in_under_two_seconds(hf_target, hf_draft, tiny_cache):
-    args = ["--target", str(hf_target), "--draft", str(hf_draft), "--target-precision", "fp16",
-            "--draft-precision", "fp16", "--cache-dir", str(tiny_cache), "--json"]
+    args = [
+        "--target",
+        str(hf_target),
+        "--draft",
+        str(hf_draft),
+        "--target-precision",
+        "fp16",
+        "--draft-precision",
+        "fp16",
+        "--cache-dir",
+        str(tiny_cache),
+        "--json",
+    ]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr
     start = time.perf_counter()
@@ -106,8 +123,9 @@ def test_draft_with_another_tokenizer_is_refused(tiny_dir, hf_target, tiny_cache
 
 def _fake_wheels(folder: Path, chunks: list[bytes | None]) -> tuple[embedded.EmbeddedGGUF, list[Path]]:
     data = b"".join(c for c in chunks if c)
-    spec = embedded.EmbeddedGGUF("fake", "fake-part", len(chunks), "1.0", "fake.gguf", len(data),
-                                 hashlib.sha256(data).hexdigest())
+    spec = embedded.EmbeddedGGUF(
+        "fake", "fake-part", len(chunks), "1.0", "fake.gguf", len(data), hashlib.sha256(data).hexdigest()
+    )
     wheels = []
     for i, (pkg, chunk) in enumerate(zip(spec.packages(), chunks), start=1):
         path = folder / f"{pkg.replace('-', '_')}-1.0-py3-none-any.whl"
@@ -126,10 +144,10 @@ def test_chunks_assemble_into_the_pinned_file(tmp_path):
 
 
 def test_corrupt_chunk_is_reported_and_nothing_is_left(tmp_path):
-    spec, wheels = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
+    spec, _wheels = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
     (tmp_path / "bad").mkdir()
     _, bad = _fake_wheels(tmp_path / "bad", [b"abc" * 1000, b"dXf" * 1000])
-    with pytest.raises(PrepareError, match="sha256.*fake-part1..2==1.0.*pip cache purge"):
+    with pytest.raises(PrepareError, match=r"sha256.*fake-part1\.\.2==1\.0.*pip cache purge"):
         embedded.assemble(spec, bad, tmp_path / "out.gguf")
     assert not list(tmp_path.glob("out.*"))
 
@@ -161,7 +179,7 @@ def test_incomplete_ir_folder_is_refused(ir_target, tmp_path):
     broken = tmp_path / "broken-ir"
     shutil.copytree(ir_target, broken)
     (broken / "openvino_model.bin").unlink()
-    with pytest.raises(PrepareError, match="missing openvino_model.bin"):
+    with pytest.raises(PrepareError, match=r"missing openvino_model\.bin"):
         prepare_one(str(broken), Compression("int4"), tmp_path)
 
 

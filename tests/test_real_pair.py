@@ -1,4 +1,5 @@
 """Smoke test on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft, int4)."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.service import Engine, Request
+from engine.core.service import Engine, Request
 
 pytestmark = pytest.mark.real
 PROMPTS = Path(__file__).parent.parent / "assets" / "prompts" / "coding.jsonl"
@@ -25,11 +26,15 @@ def test_greedy_speculative_equals_autoregressive_on_the_real_pair(real_engine, 
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:3]]
     for prompt in prompts:
         chat = ({"role": "user", "content": prompt},)
-        runs = {m: real_engine.run(Request(chat, mode=m, k=4, max_new_tokens=64, reuse_cache=False))
-                for m in ("autoregressive", mode)}
+        runs = {
+            m: real_engine.run(Request(chat, mode=m, k=4, max_new_tokens=64, reuse_cache=False))
+            for m in ("autoregressive", mode)
+        }
         ar, sd = runs["autoregressive"], runs[mode]
-        print(f"\n{prompt[:50]!r}: autoregressive {ar.metrics['tokens_per_s']:.1f} tok/s, "
-              f"{mode} {sd.metrics['tokens_per_s']:.1f} tok/s (acceptance {sd.metrics['acceptance_rate']:.2f})")
+        print(
+            f"\n{prompt[:50]!r}: autoregressive {ar.metrics['tokens_per_s']:.1f} tok/s, "
+            f"{mode} {sd.metrics['tokens_per_s']:.1f} tok/s (acceptance {sd.metrics['acceptance_rate']:.2f})"
+        )
         assert sd.token_ids == ar.token_ids
 
 

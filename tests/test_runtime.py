@@ -1,14 +1,15 @@
 """The property exact greedy speculative decoding rests on: a verify pass computes each row
 bit for bit as single-token steps do, at the target's engine settings."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.decoding import DecodeConfig, decode
-from engine.drafters import ModelDrafter
-from engine.metrics import Stats
-from engine.runtime import DRAFT_CONFIG, EXACT_CONFIG, MAX_MASKED, TARGET_CONFIG, Runtime
+from engine.core.decoding import DecodeConfig, decode
+from engine.core.drafters import ModelDrafter
+from engine.core.metrics import Stats
+from engine.core.runtime import DRAFT_CONFIG, EXACT_CONFIG, MAX_MASKED, TARGET_CONFIG, Runtime
 
 
 def _record_widths(runtime: Runtime) -> list[int]:
@@ -62,7 +63,7 @@ def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
     for step in range(40):
         masked.forward([7, 8, 9][: 1 + step % 3], rows=1)  # drafted, then rejected
         masked.trim(len(context) - step % 2)  # sometimes a kept token goes too
-        del context[len(masked.tokens):]
+        del context[len(masked.tokens) :]
         context.append(40 + step)
         _assert_fresh_cache_agrees(fresh, context, masked.forward(context[-1:])[-1])
         assert masked.tokens == context
@@ -72,16 +73,16 @@ def test_masked_rollback_computes_what_a_fresh_cache_computes(ir_draft):
 
 def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_computes(ir_draft):
     """A draft fed 2 tokens per pass (re-feeding one it holds, rolled back by masking) runs a
-    single shape after the prompt, whatever it is asked to score."""
+    single shape after the prompt, whatever it is asked to sync."""
     draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)
     fresh = Runtime(ir_draft, config=EXACT_CONFIG)
     sizes = _record_widths(draft)
     context = list(range(3, 30))
-    draft.score(context)
+    draft.sync(context)
     for step in range(30):
         drafted = [7, 8, 9][: 1 + step % 3]
         for i in range(len(drafted)):
-            draft.score(context + drafted[: i + 1])
+            draft.sync(context + drafted[: i + 1])
         context = context + drafted[: step % 2] + [40 + step]  # some drafts kept, then a correction
-        _assert_fresh_cache_agrees(fresh, context, draft.score(context)[-1])
+        _assert_fresh_cache_agrees(fresh, context, draft.sync(context)[-1])
     assert sizes[0] == 27 and set(sizes[1:]) == {2}

@@ -1,10 +1,11 @@
 """The sampling rule every mode shares: temperature, top-k and top-p warp the target's logits."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.sampling import SamplingParams, logits_to_probs, next_token
+from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -1,13 +1,14 @@
 """The accept/reject rule as a pure function, and the reduced draft head."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.prepare import draft_compression, prepare_one
-from engine.runtime import EXACT_CONFIG, Runtime
-from engine.sampling import SamplingParams, logits_to_probs
-from engine.speculative import accept_draft, accept_greedy
+from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.sampling import SamplingParams, logits_to_probs
+from engine.core.speculative import accept_draft, accept_greedy
+from engine.prepare.pipeline import draft_compression, prepare_one
 
 
 def test_greedy_acceptance_is_the_zero_temperature_limit_of_the_rule():

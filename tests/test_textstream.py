@@ -1,10 +1,11 @@
 """Incremental detokenization never shows a broken multi-byte character."""
+
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.textstream import IncrementalDecoder, StopStrings
+from engine.core.textstream import IncrementalDecoder, StopStrings
 
 TEXT = "héllo 日本語のテキスト 🙂🚀 naïve café, 한국어"
 
@@ -29,11 +30,14 @@ def test_an_unfinished_character_is_flushed_at_the_end(tokenizer_dir):
     assert decoder.flush() != ""
 
 
-@pytest.mark.parametrize("deltas, expected", [
-    (["ab", "cSTOPde"], ["ab", "c"]),
-    (["abS", "TO", "P tail"], ["ab", "", ""]),  # a stop string split across deltas
-    (["abS", "x"], ["ab", "Sx"]),  # held back, then released: it was not a stop string
-])
+@pytest.mark.parametrize(
+    "deltas, expected",
+    [
+        (["ab", "cSTOPde"], ["ab", "c"]),
+        (["abS", "TO", "P tail"], ["ab", "", ""]),  # a stop string split across deltas
+        (["abS", "x"], ["ab", "Sx"]),  # held back, then released: it was not a stop string
+    ],
+)
 def test_stop_strings_cut_the_stream_just_before_the_first_one(deltas, expected):
     stops = StopStrings(("never", "STOP"))
     sent = [stops.push(d)[0] for d in deltas]

@@ -3,6 +3,7 @@
 They go through the same preparation path as real models; their small vocabulary
 keeps exports fast and makes sampling distributions testable.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,18 +35,27 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, extra_corpus: tuple[str
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS * 20 + list(extra_corpus), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return fast
 
 
-def build_model(folder: Path, tokenizer_folder: Path, arch: str = "qwen2", seed: int = 0,
-                base: Path | None = None, noise: float = 0.0, max_positions: int = 256) -> Path:
+def build_model(
+    folder: Path,
+    tokenizer_folder: Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    base: Path | None = None,
+    noise: float = 0.0,
+    max_positions: int = 256,
+) -> Path:
     """A random model of ``arch``; with ``base``, a copy of that model plus Gaussian noise
     (a draft that agrees with its target often, but not always)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
@@ -60,11 +70,18 @@ def build_model(folder: Path, tokenizer_folder: Path, arch: str = "qwen2", seed:
     else:
         config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
         config = config_cls(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-            tie_word_embeddings=False, initializer_range=0.3,
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            initializer_range=0.3,
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
         )
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = model.config.eos_token_id

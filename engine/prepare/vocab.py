@@ -4,6 +4,7 @@ Speculative decoding compares token ids of two models, so the draft must use the
 target's vocabulary. GGUF files carry their token list in the header; Hugging Face
 and OpenVINO IR folders carry a Hugging Face tokenizer.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
-from engine.sources import Kind, Source
+from engine.prepare.sources import Kind, Source
 
 _PADDING = re.compile(r"\[PAD\d+\]")
 
@@ -62,7 +63,7 @@ class Vocabulary:
 
     @classmethod
     def of(cls, source: Source) -> Vocabulary:
-        return cls.of_tokens(_gguf_tokens(source.path) if source.kind == Kind.GGUF else _hf_tokens(source.path))
+        return cls.of_tokens(_gguf_tokens(source.local) if source.kind == Kind.GGUF else _hf_tokens(source.local))
 
     @classmethod
     def of_tokens(cls, tokens: list[str]) -> Vocabulary:

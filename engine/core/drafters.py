@@ -1,6 +1,7 @@
 """Drafters propose tokens for the target to verify; the loop in
-:mod:`engine.decoding` calls only this small interface, so other drafters (prompt
+:mod:`engine.core.decoding` calls only this small interface, so other drafters (prompt
 lookup, adaptive length, a cheaper draft head) plug in without touching it."""
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.runtime import Runtime, common_prefix
-from engine.sampling import SamplingParams, logits_to_probs, sample
+from engine.core.runtime import Runtime, common_prefix
+from engine.core.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass
@@ -22,8 +23,11 @@ class Draft:
 
     def head(self, n: int) -> Draft:
         """The first ``n`` drafted tokens (the loop caps a draft at the token budget)."""
-        return self if len(self.tokens) <= n else Draft(
-            self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
+        return (
+            self
+            if len(self.tokens) <= n
+            else Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
+        )
 
 
 class Drafter(Protocol):
@@ -111,7 +115,7 @@ class ModelDrafter:
             sequence = [*context, *tokens]
             guess = self._guess(sequence)
             fed = sequence if guess is None else [*sequence, guess]
-            for logits in self.runtime.score(fed, rows=len(fed) - len(sequence) + 1):
+            for logits in self.runtime.sync(fed, rows=len(fed) - len(sequence) + 1):
                 if params.greedy:
                     token = int(np.argmax(logits))
                 else:
@@ -163,8 +167,14 @@ class LookupDrafter:
     (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
     model pass; its proposals are deterministic, so their draft distribution is one-hot."""
 
-    def __init__(self, vocab_size: int, min_ngram: int = 2, max_ngram: int = 32, min_match: int | None = None,
-                 span: int | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        min_ngram: int = 2,
+        max_ngram: int = 32,
+        min_match: int | None = None,
+        span: int | None = None,
+    ):
         """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
         ``span``: copy up to this many tokens per round (default: the round's k). A copied run
         costs no draft pass, only verify rows, so it pays to copy further than a model drafts."""
@@ -194,7 +204,7 @@ class LookupDrafter:
             length = self._match_length(context, int(hit) + n)
             if length > best_length:
                 best, best_length = int(hit) + n, length
-        return [int(t) for t in context[best:best + k]] if best_length >= self.min_match else []
+        return [int(t) for t in context[best : best + k]] if best_length >= self.min_match else []
 
     def _match_length(self, context: np.ndarray, end: int) -> int:
         """How many tokens before ``end`` equal the context's last tokens (capped at ``max_ngram``)."""

@@ -1,4 +1,5 @@
-"""Run metrics, named and defined once (see README, "Metrics")."""
+"""Run metrics, named and defined once (docs/design.md, "Metrics")."""
+
 from __future__ import annotations
 
 import time

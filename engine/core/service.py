@@ -4,6 +4,7 @@ Every piece of work runs on the single worker thread, in arrival order, so the K
 caches are never touched by two requests at once; callers wait in the queue and
 read their own request's events only.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,35 +15,19 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import numpy as np
-
-from engine.decoding import DecodeConfig, Provenance, decode
-from engine.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
-from engine.errors import EngineError, TokenizerMismatchError
-from engine.metrics import Stats
-from engine.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
-from engine.sampling import SamplingParams
-from engine.sources import Kind, Source
-from engine.textstream import IncrementalDecoder, StopStrings
-from engine.vocab import Vocabulary, tokenizer_tokens
+from engine.core.decoding import DecodeConfig, Provenance, decode
+from engine.core.metrics import Stats
+from engine.core.modes import MODES, DrafterParts
+from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
+from engine.core.sampling import SamplingParams
+from engine.core.textstream import IncrementalDecoder, StopStrings
+from engine.errors import EngineError
 
 T = TypeVar("T")
-MODES = ("best", "speculative", "adaptive", "hybrid", "pld", "autoregressive")
-# "adaptive": its draft model stops a round once its confidence in the token it drafted falls
-# below this (measured against 0.3 and 0.8: README, Benchmarks).
-ADAPTIVE_P_MIN = 0.7
-# "best": the fastest exact configuration measured on this machine (README, Benchmarks): hybrid
-# drafting at K=4 (with the draft's next-token guess it beat a confidence stop).
-BEST_K = 4
-# hybrid: prompt lookup only where at least this many tokens match, else the draft model.
-HYBRID_MIN_MATCH = 4
-# Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
-# run costs only verify rows (a 17-token verify ~2x a one-token step; README, Benchmarks).
-LOOKUP_SPAN = 16
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
-# on this machine the acceptance it costs outweighs the cheaper draft pass (README, Benchmarks).
+# on this machine the acceptance it costs outweighs the cheaper draft pass (docs/benchmarks.md).
 DRAFT_VOCAB: int | None = None
 # Tokens per draft pass (see Runtime): one shape for every draft step.
 DRAFT_PASS_WIDTH = 2
@@ -111,21 +96,38 @@ class Stream:
 
 
 class Engine:
-    def __init__(self, target_dir: Path, draft_dir: Path | None = None, device: str = "CPU",
-                 config: dict | None = None, draft_config: dict | None = None, draft_vocab: int | None = DRAFT_VOCAB):
+    def __init__(
+        self,
+        target_dir: Path,
+        draft_dir: Path | None = None,
+        device: str = "CPU",
+        config: dict | None = None,
+        draft_config: dict | None = None,
+        draft_vocab: int | None = DRAFT_VOCAB,
+    ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
-        logits for the first N token ids only (None: all)."""
+        logits for the first N token ids only (None: all). The two models must share one
+        vocabulary (``engine.prepare`` checks it)."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        if draft_dir is not None:
-            check_same_vocabulary(Path(target_dir), self.tokenizer, Path(draft_dir))
         self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
-        self.draft = Runtime(Path(draft_dir), device, DRAFT_CONFIG if draft_config is None else draft_config,
-                             vocab_limit=draft_vocab, masked_rollback=True,
-                             pass_width=DRAFT_PASS_WIDTH) if draft_dir else None
-        self.drafters = self._drafters()
+        self.draft = (
+            Runtime(
+                Path(draft_dir),
+                device,
+                DRAFT_CONFIG if draft_config is None else draft_config,
+                vocab_limit=draft_vocab,
+                masked_rollback=True,
+                pass_width=DRAFT_PASS_WIDTH,
+            )
+            if draft_dir
+            else None
+        )
+        parts = DrafterParts(self.target.vocab_size, self.draft)
+        self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
+        self.drafters = {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.warm_up()
@@ -135,23 +137,6 @@ class Engine:
         self._busy = threading.Lock()
         threading.Thread(target=self._work, name="engine-worker", daemon=True).start()
 
-    def _drafters(self) -> dict[str, Drafter]:
-        """One drafter per speculative mode; the model drafters share the draft's KV cache."""
-        drafters: dict[str, Drafter] = {"pld": LookupDrafter(self.target.vocab_size, span=LOOKUP_SPAN)}
-        if self.draft is not None:
-            lookup = LookupDrafter(self.target.vocab_size, min_match=HYBRID_MIN_MATCH, span=LOOKUP_SPAN)
-            vocab = self.target.vocab_size
-            model = ModelDrafter(self.draft, vocab_size=vocab)
-            drafters["speculative"] = model
-            drafters["adaptive"] = ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=vocab)
-            drafters["hybrid"] = drafters["best"] = HybridDrafter(lookup, model)  # best: at K = BEST_K
-        return drafters
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        """The modes this engine can run (speculative ones need a draft model, except pld)."""
-        return tuple(m for m in MODES if m == "autoregressive" or m in self.drafters)
-
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
@@ -159,13 +144,14 @@ class Engine:
             with self._busy:
                 job()
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the worker thread (after the queued work) and return its result."""
+    def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
+        """Run ``fn(target, draft)`` on the worker thread, after the queued work, and return its
+        result: the one way to use the models' runtimes directly (the tools measure with it)."""
         future: Future = Future()
 
         def job() -> None:
             try:
-                future.set_result(fn())
+                future.set_result(fn(self.target, self.draft))
             except BaseException as exc:  # handed back to the caller's thread
                 future.set_exception(exc)
 
@@ -183,8 +169,12 @@ class Engine:
             return list(request.prompt_ids)
         if not request.messages or not str(request.messages[-1].get("content", "")).strip():
             raise EngineError("the message is empty: type something first")
-        ids = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids: Any = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True)
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+    def text(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens left out)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def generate(self, request: Request) -> Stream:
         """Stream the events of one request (see :class:`Stream` for how to stop it)."""
@@ -233,34 +223,27 @@ class Engine:
         except EngineError as exc:
             events.put(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
         except Exception as exc:  # never let one request kill the worker
-            events.put(Event("error", error=f"internal error: {type(exc).__name__}: {exc}",
-                             metrics=stats.snapshot(), token_ids=out))
+            events.put(
+                Event(
+                    "error",
+                    error=f"internal error: {type(exc).__name__}: {exc}",
+                    metrics=stats.snapshot(),
+                    token_ids=out,
+                )
+            )
 
     def _decode_config(self, request: Request) -> DecodeConfig:
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
-        k = BEST_K if request.mode == "best" else request.k
-        return DecodeConfig(request.mode != "autoregressive", k, request.max_new_tokens, sampling, self.stop_ids)
+        mode = MODES[request.mode]
+        return DecodeConfig(
+            mode.drafter is not None, mode.k(request.k), request.max_new_tokens, sampling, self.stop_ids
+        )
 
     def reset(self) -> None:
         """Empty both KV caches (worker thread only)."""
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.reset()
-
-    def top2_margin(self, prompt: list[int], prefix: list[int]) -> float:
-        """The target's top-2 logit gap after ``prompt + prefix``: how near a tie that step was.
-
-        Computed as autoregressive decoding computes it (the prompt alone, then one token per
-        step), since one pass over many tokens rounds differently."""
-        def measure() -> float:
-            self.target.reset()
-            logits = self.target.forward(prompt)[-1]
-            for token in prefix:
-                logits = self.target.forward([token])[-1]
-            top = np.partition(logits, -2)[-2:]
-            return float(abs(top[1] - top[0]))
-
-        return self.call(measure)
 
 
 def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
@@ -274,13 +257,3 @@ def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
-
-
-def check_same_vocabulary(target_dir: Path, target_tokenizer, draft_dir: Path) -> None:
-    t = Vocabulary.of_tokens(tokenizer_tokens(target_tokenizer))
-    d = Vocabulary.of(Source(str(draft_dir), Kind.OV_IR, draft_dir))
-    if t.digest != d.digest:
-        raise TokenizerMismatchError(
-            f"the draft {draft_dir} ({d.describe()}) does not share the tokenizer of the target "
-            f"{target_dir} ({t.describe()}): speculative decoding needs one vocabulary"
-        )

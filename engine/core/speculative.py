@@ -4,13 +4,14 @@ Given K drafted tokens with the draft's probabilities q and the target's
 probabilities p at K+1 positions, the returned tokens are distributed exactly as
 tokens sampled from p one at a time.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
 
-from engine.sampling import sample
+from engine.core.sampling import sample
 
 
 def accept_draft(draft: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:

@@ -3,26 +3,40 @@
 A spec is one of: an embedded default name (``qwen2.5-coder-1.5b``), a local GGUF
 file, a local Hugging Face folder, a ready OpenVINO IR folder, or a hub id.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
-from engine.embedded import EMBEDDED
 from engine.errors import PrepareError
+from engine.prepare.embedded import EMBEDDED
 
 # Architectures both transformers' GGUF loader and optimum-intel's exporter handle.
 SUPPORTED_ARCHITECTURES = {
-    "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-    "gemma2", "gemma3", "gemma3_text", "starcoder2", "stablelm", "falcon", "gpt2", "bloom",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "starcoder2",
+    "stablelm",
+    "falcon",
+    "gpt2",
+    "bloom",
 }
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     EMBEDDED = "embedded"
     GGUF = "gguf"
     HF_FOLDER = "hf-folder"
@@ -35,6 +49,13 @@ class Source:
     spec: str
     kind: Kind
     path: Path | None = None  # GGUF file, HF folder or IR folder
+
+    @property
+    def local(self) -> Path:
+        """The file or folder on disk (a hub or embedded source has one once fetched: ``local_source``)."""
+        if self.path is None:
+            raise PrepareError(f"{self.spec}: not on disk yet")
+        return self.path
 
     @property
     def label(self) -> str:

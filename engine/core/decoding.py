@@ -7,24 +7,25 @@ yielded, so stopping between rounds always leaves the caches consistent. The fir
 round of every request is a plain target step over the prompt, in every mode, so
 greedy speculative decoding runs the very passes autoregressive decoding runs.
 """
+
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 
-from engine.drafters import Drafter
+from engine.core.drafters import Drafter
+from engine.core.metrics import Stats
+from engine.core.runtime import Runtime, common_prefix
+from engine.core.sampling import SamplingParams, logits_to_probs, next_token
+from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
-from engine.metrics import Stats
-from engine.runtime import Runtime, common_prefix
-from engine.sampling import SamplingParams, logits_to_probs, next_token
-from engine.speculative import accept_draft, accept_greedy
 
 
-class Provenance(str, Enum):
+class Provenance(StrEnum):
     DRAFT = "draft"  # drafted and accepted by the target
     TARGET = "target"  # the target's correction after a rejection
     BONUS = "bonus"  # the target's extra token after a fully accepted draft
@@ -46,8 +47,9 @@ class Round:
     provenance: list[Provenance]
 
 
-def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig,
-           stats: Stats) -> Iterator[Round]:
+def decode(
+    target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
+) -> Iterator[Round]:
     """Yield the tokens of each round until a stop token, the token budget or the context limit."""
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -69,9 +71,11 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
         # many tokens may round differently from passes over a few, while a verify pass (up to 32
         # tokens measured) computes each row exactly as single steps do (tests/test_runtime.py).
         limit = min(config.max_new_tokens - stats.new_tokens - 1, room - 1)  # drafted tokens that fit
-        round_ = _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats) \
-            if speculative and stats.rounds and limit > 0 \
+        round_ = (
+            _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats)
+            if drafter is not None and speculative and stats.rounds and limit > 0
             else _autoregressive_step(target, context, config.sampling, rng, stats)
+        )
         stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)
         if stop_at is not None:
             round_ = Round(round_.tokens[:stop_at], round_.provenance[:stop_at])
@@ -93,26 +97,36 @@ def decode(target: Runtime, drafter: Drafter | None, prompt: Sequence[int], conf
 
 def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) -> np.ndarray:
     start = time.perf_counter()
-    logits = target.score(tokens, rows)
+    logits = target.sync(tokens, rows)
     stats.target_seconds += time.perf_counter() - start
     stats.target_passes += 1
     return logits
 
 
-def _autoregressive_step(target: Runtime, context: list[int], params: SamplingParams, rng: np.random.Generator,
-                         stats: Stats) -> Round:
+def _autoregressive_step(
+    target: Runtime, context: list[int], params: SamplingParams, rng: np.random.Generator, stats: Stats
+) -> Round:
     logits = _target_logits(target, context, 1, stats)
     return Round([next_token(logits[-1], params, rng)], [Provenance.AUTOREGRESSIVE])
 
 
-def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k: int, limit: int,
-                       params: SamplingParams, rng: np.random.Generator, stats: Stats) -> Round:
+def _speculative_round(
+    target: Runtime,
+    drafter: Drafter,
+    context: list[int],
+    k: int,
+    limit: int,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    stats: Stats,
+) -> Round:
     draft = drafter.propose(context, min(k, limit), params, rng).head(limit)
     stats.draft_seconds += draft.seconds
     logits = _target_logits(target, context + draft.tokens, len(draft.tokens) + 1, stats)
     if params.greedy:
         n, token = accept_greedy(draft.tokens, logits)
     else:
+        assert draft.probs is not None  # a sampling drafter reports the distributions it drew from
         n, token = accept_draft(draft.tokens, draft.probs, logits_to_probs(logits, params), rng)
     drafter.observe(len(draft.tokens), n)
     stats.drafted += len(draft.tokens)
@@ -121,4 +135,4 @@ def _speculative_round(target: Runtime, drafter: Drafter, context: list[int], k:
         last = Provenance.AUTOREGRESSIVE
     else:
         last = Provenance.BONUS if n == len(draft.tokens) else Provenance.TARGET
-    return Round(draft.tokens[:n] + [token], [Provenance.DRAFT] * n + [last])
+    return Round([*draft.tokens[:n], token], [Provenance.DRAFT] * n + [last])

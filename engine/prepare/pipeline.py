@@ -1,10 +1,11 @@
 """Get a target and a draft model onto disk as ready OpenVINO IR folders.
 
 ``python -m engine.prepare`` builds the embedded default pair; ``--target`` /
-``--draft`` take any source that :mod:`engine.sources` recognises. Results are
+``--draft`` take any source that :mod:`engine.prepare.sources` recognises. Results are
 cached by source identity and compression settings; every cache entry is built in
 a temporary folder and renamed into place only when complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from engine import embedded, sources, vocab
-from engine.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
-from engine.errors import PrepareError
-from engine.sources import Kind, Source
+from engine.errors import PrepareError, TokenizerMismatchError
+from engine.prepare import embedded, sources, vocab
+from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
+from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
 MANIFEST = "manifest.json"
@@ -60,10 +61,10 @@ def _identity(source: Source) -> str:
     if source.kind == Kind.EMBEDDED:
         return embedded.EMBEDDED[source.spec].sha256
     if source.kind == Kind.GGUF:
-        st = source.path.stat()
+        st = source.local.stat()
         return hashlib.sha256(f"{source.path}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
     if source.kind == Kind.HF_FOLDER:
-        return sources.folder_fingerprint(source.path)
+        return sources.folder_fingerprint(source.local)
     return hashlib.sha256(source.spec.encode()).hexdigest()
 
 
@@ -108,8 +109,13 @@ def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache_dir / "hub",
-                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                repo_id,
+                cache_dir=cache_dir / "hub",
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+            )
+        )
     except Exception as exc:  # huggingface_hub raises many types; the message is what matters
         raise PrepareError(f"{repo_id}: download from the model hub failed: {exc}") from exc
 
@@ -118,8 +124,8 @@ def _source_sha256(source: Source) -> str:
     if source.kind == Kind.EMBEDDED:
         return embedded.EMBEDDED[source.spec].sha256
     if source.kind == Kind.GGUF:
-        return embedded.sha256_file(source.path, desc=f"sha256 {source.path.name}")
-    return sources.folder_fingerprint(source.path)
+        return embedded.sha256_file(source.local, desc=f"sha256 {source.local.name}")
+    return sources.folder_fingerprint(source.local)
 
 
 def _check_disk(cache_dir: Path, source: Source) -> None:
@@ -127,9 +133,9 @@ def _check_disk(cache_dir: Path, source: Source) -> None:
     if source.kind == Kind.EMBEDDED:
         needed = embedded.EMBEDDED[source.spec].size * 6
     elif source.kind == Kind.GGUF:
-        needed = source.path.stat().st_size * 4
+        needed = source.local.stat().st_size * 4
     elif source.kind == Kind.HF_FOLDER:
-        needed = sum(p.stat().st_size for p in source.path.rglob("*") if p.is_file()) * 2
+        needed = sum(p.stat().st_size for p in source.local.rglob("*") if p.is_file()) * 2
     else:
         needed = 8 << 30
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -143,16 +149,16 @@ def _check_disk(cache_dir: Path, source: Source) -> None:
 
 def _check_architecture(source: Source) -> None:
     if source.kind == Kind.GGUF:
-        sources.check_architecture(vocab.gguf_architecture(source.path), source.spec)
+        sources.check_architecture(vocab.gguf_architecture(source.local), source.spec)
     elif source.kind == Kind.HF_FOLDER:
-        sources.check_architecture(sources.hf_model_type(source.path), source.spec)
+        sources.check_architecture(sources.hf_model_type(source.local), source.spec)
 
 
 def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> PreparedModel:
     """Return the IR folder for ``spec``, converting it only if no cache entry exists."""
     source = sources.resolve(spec)
     if source.kind == Kind.OV_IR:
-        return PreparedModel(source.path, "as-is", spec, sources.folder_fingerprint(source.path))
+        return PreparedModel(source.local, "as-is", spec, sources.folder_fingerprint(source.local))
     entry = entry_dir(cache_dir, source, compression)
     if hit := cached(entry):
         log(f"{spec}: already prepared ({hit.precision}) at {entry}")
@@ -168,16 +174,21 @@ def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> Prepare
         if local.kind == Kind.GGUF:
             log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
             hf = Path(tmp) / "hf"
-            dequantize_gguf(local.path, hf)
+            dequantize_gguf(local.local, hf)
         else:
-            hf = local.path
+            hf = local.local
         log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
         export_ir(str(hf), build, compression)
         sources.validate_ir(build)
         manifest = {
-            "source": spec, "kind": source.kind.value, "sha256": sha, "precision": compression.precision,
-            "compression": compression.as_dict(), "versions": library_versions(),
+            "source": spec,
+            "kind": source.kind.value,
+            "sha256": sha,
+            "precision": compression.precision,
+            "compression": compression.as_dict(),
+            "versions": library_versions(),
             "seconds": round(time.perf_counter() - start, 1),
+            "vocabulary": asdict(vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))),
         }
         (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
         os.replace(build, entry)
@@ -190,44 +201,69 @@ def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
     return source.kind == Kind.OV_IR or cached(entry_dir(cache_dir, source, compression)) is not None
 
 
-def check_pair(target: str, draft: str, cache_dir: Path) -> None:
-    """Refuse a draft whose tokenizer differs from the target's, before any conversion."""
-    t, d = (vocab.Vocabulary.of(local_source(sources.resolve(s), cache_dir)) for s in (target, draft))
+def check_pair(target: str, draft: str, vocabularies: tuple[vocab.Vocabulary, vocab.Vocabulary]) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    t, d = vocabularies
     if t.digest != d.digest:
-        raise PrepareError(
+        raise TokenizerMismatchError(
             f"the draft {draft} ({d.describe()}) does not share the tokenizer of the target {target} "
             f"({t.describe()}): speculative decoding needs one vocabulary. Pick a draft of the same model family."
         )
 
 
-def prepare_pair(target: str, draft: str, target_compression: Compression, draft_compression: Compression,
-                 cache_dir: Path) -> tuple[PreparedModel, PreparedModel]:
+def ir_vocabulary(model: PreparedModel) -> vocab.Vocabulary:
+    """The prepared model's vocabulary: recorded in its manifest, else read from its tokenizer."""
+    manifest = model.path / MANIFEST
+    recorded = json.loads(manifest.read_text()).get("vocabulary") if manifest.exists() else None
+    return (
+        vocab.Vocabulary(**recorded) if recorded else vocab.Vocabulary.of(Source(model.source, Kind.OV_IR, model.path))
+    )
+
+
+def prepare_pair(
+    target: str, draft: str, target_compression: Compression, draft_compression: Compression, cache_dir: Path
+) -> tuple[PreparedModel, PreparedModel]:
+    """Both models as IR folders; a draft of another vocabulary is refused before any conversion."""
     start = time.perf_counter()
     if not all(_is_prepared(s, c, cache_dir) for s, c in ((target, target_compression), (draft, draft_compression))):
-        check_pair(target, draft, cache_dir)
+        check_pair(target, draft, (source_vocabulary(target, cache_dir), source_vocabulary(draft, cache_dir)))
     pair = (prepare_one(target, target_compression, cache_dir), prepare_one(draft, draft_compression, cache_dir))
+    check_pair(target, draft, (ir_vocabulary(pair[0]), ir_vocabulary(pair[1])))
     log(f"done in {time.perf_counter() - start:.1f} s")
     return pair
 
 
+def source_vocabulary(spec: str, cache_dir: Path) -> vocab.Vocabulary:
+    return vocab.Vocabulary.of(local_source(sources.resolve(spec), cache_dir))
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model flags shared by prepare, bench and the app."""
-    parser.add_argument("--target", default=embedded.DEFAULT_TARGET, help="target model: embedded name, GGUF file, HF folder, hub id or OpenVINO IR folder")
+    parser.add_argument(
+        "--target",
+        default=embedded.DEFAULT_TARGET,
+        help="target model: embedded name, GGUF file, HF folder, hub id or OpenVINO IR folder",
+    )
     parser.add_argument("--draft", default=embedded.DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
     parser.add_argument("--target-precision", default="int4", choices=PRECISIONS)
     parser.add_argument("--draft-precision", default="int4", choices=PRECISIONS)
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
-    parser.add_argument("--all-layers", action="store_true", help="compress the target's embeddings and lm_head to int4 too (the draft's always are)")
+    parser.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="compress the target's embeddings and lm_head to int4 too (the draft's always are)",
+    )
     parser.add_argument("--sym", action="store_true", help="symmetric int4/int8 weights (default asymmetric)")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/specchat")
 
 
-def draft_compression(precision: str = "int4", group_size: int = 128, ratio: float = 1.0,
-                      sym: bool = False) -> Compression:
+def draft_compression(
+    precision: str = "int4", group_size: int = 128, ratio: float = 1.0, sym: bool = False
+) -> Compression:
     """The draft's embeddings and vocabulary projection go to int4 with its layers: the draft's
     rounding cannot change the output, and the int4 head makes a draft step about a quarter
-    cheaper on this CPU (README, Benchmarks). Only int4 has that option, so other precisions
+    cheaper on this CPU (docs/benchmarks.md, "What else was tried"). Only int4 has that option, so other precisions
     keep the plain settings (and the same cache entry)."""
     return Compression(precision, group_size, ratio, all_layers=precision == "int4", sym=sym)
 
@@ -245,22 +281,21 @@ def cache_dir_from_args(args: argparse.Namespace) -> Path:
 
 def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, PreparedModel]:
     cache_dir = cache_dir_from_args(args)
-    return prepare_pair(args.target, args.draft, compression_from_args(args, "target", args.target_precision),
-                        compression_from_args(args, "draft", args.draft_precision), cache_dir)
+    return prepare_pair(
+        args.target,
+        args.draft,
+        compression_from_args(args, "target", args.target_precision),
+        compression_from_args(args, "draft", args.draft_precision),
+        cache_dir,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.prepare", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--report", action="store_true", help="quantization report: int4 and int8 against fp16")
     args = parser.parse_args(argv)
     try:
-        if args.report:
-            from engine.quant_report import run_report
-
-            run_report(args)
-            return 0
         target, draft = prepare_from_args(args)
     except PrepareError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -270,7 +305,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"target: {target.path}\ndraft:  {draft.path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,6 +3,7 @@
 Heavy steps (GGUF dequantization, optimum-intel export) run in child processes so
 that their peak memory is returned to the system before the next step starts.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -55,14 +56,27 @@ def run_child(args: list[str], what: str) -> None:
 
 def dequantize_gguf(gguf: Path, out_dir: Path) -> None:
     """GGUF -> Hugging Face folder (fp16 safetensors + tokenizer), in a child process."""
-    run_child([sys.executable, "-m", "engine.convert", "dequantize", str(gguf), str(out_dir)],
-              f"dequantizing {gguf.name}")
+    run_child(
+        [sys.executable, "-m", "engine.prepare.convert", "dequantize", str(gguf), str(out_dir)],
+        f"dequantizing {gguf.name}",
+    )
 
 
 def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
     """Hugging Face folder (or hub id) -> stateful OpenVINO IR with OpenVINO tokenizers."""
-    cmd = [sys.executable, "-m", "optimum.commands.optimum_cli", "export", "openvino",
-           "--model", hf_folder, "--task", "text-generation-with-past", *compression.cli_args(), str(out_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "optimum.commands.optimum_cli",
+        "export",
+        "openvino",
+        "--model",
+        hf_folder,
+        "--task",
+        "text-generation-with-past",
+        *compression.cli_args(),
+        str(out_dir),
+    ]
     run_child(cmd, f"exporting {hf_folder} to OpenVINO ({compression.precision})")
 
 
@@ -79,5 +93,5 @@ def _dequantize_main(gguf: Path, out_dir: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "dequantize":
-        sys.exit("usage: python -m engine.convert dequantize GGUF OUT_DIR")
+        sys.exit("usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR")
     _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))

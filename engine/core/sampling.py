@@ -3,6 +3,7 @@
 Greedy decoding is the temperature -> 0 limit: the distribution becomes one-hot on
 the argmax, so the speculative accept/reject rule needs no special case for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Incremental detokenization: text deltas that never split a multi-byte character."""
+
 from __future__ import annotations
 
 
@@ -18,19 +19,19 @@ class IncrementalDecoder:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""  # an incomplete character (or nothing printable yet): wait for more bytes
         self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def flush(self) -> str:
         """Whatever is still held back when the stream ends (an incomplete character shows as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
         self.prefix = self.read = len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 class StopStrings:
@@ -49,10 +50,10 @@ class StopStrings:
         hits = [i for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.held = ""
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        self.held = text[len(text) - hold:]
-        return text[:len(text) - hold], False
+        self.held = text[len(text) - hold :]
+        return text[: len(text) - hold], False
 
     def flush(self) -> str:
         """What is still held back when the stream ends without a stop string."""

@@ -1,6 +1,6 @@
 """The speedup ceiling of exact drafting with a given pair on this machine.
 
-    python -m engine.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128
+    python -m engine.tools.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128
 
 For each prompt it decodes greedily (the target's answer), records where the draft
 model's own greedy prediction agrees with that answer (teacher-forced: what it would
@@ -14,6 +14,7 @@ per round between the draft model and prompt lookup, then has a minimum cost per
 drafting policy with this draft and guesser can beat it: it never drafts a rejected token,
 never trims a cache and never pays for a change of pass width.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.bench import add_prompt_arguments, load_prompts
-from engine.drafters import LookupDrafter, NextTokenGuesser
+from engine.cli import run_cli
+from engine.core.drafters import LookupDrafter, NextTokenGuesser
+from engine.core.modes import LOOKUP_SPAN
+from engine.core.runtime import Runtime
+from engine.core.service import Engine, Request
 from engine.errors import EngineError
-from engine.prepare import add_model_arguments, prepare_from_args
-from engine.runtime import Runtime
-from engine.service import LOOKUP_SPAN, Engine, Request
+from engine.prepare.pipeline import add_model_arguments, prepare_from_args
+from engine.tools.bench import add_prompt_arguments, load_prompts
+from engine.tools.report import Column, markdown_table, speedup
 
 MAX_WIDTH = LOOKUP_SPAN + 1  # the widest verify: a full lookup copy plus the bonus row
 
@@ -105,7 +109,7 @@ def measure_costs(target: Runtime, draft: Runtime, context: list[int], repeats: 
     steps = []
     for token in context[: repeats * 4]:
         start = time.perf_counter()
-        draft.score([*draft.tokens, token])
+        draft.sync([*draft.tokens, token])
         steps.append(time.perf_counter() - start)
     return Costs(verify, statistics.median(steps))
 
@@ -113,19 +117,33 @@ def measure_costs(target: Runtime, draft: Runtime, context: list[int], repeats: 
 def analyse(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], Answer]:
     """The target's greedy answer, its prefill time, and the draft's, lookup's and guesser's
     record along it."""
-    final = engine.run(Request(prompt_ids=tuple(prompt_ids), mode="autoregressive", max_new_tokens=max_new_tokens,
-                               reuse_cache=False))
+    final = engine.run(
+        Request(prompt_ids=tuple(prompt_ids), mode="autoregressive", max_new_tokens=max_new_tokens, reuse_cache=False)
+    )
     if final.kind == "error":
         raise EngineError(final.error)
     answer = final.token_ids
-    engine.target.reset()
+    return answer, engine.with_models(lambda target, draft: _record(target, _only(draft), prompt_ids, answer))
+
+
+def _only(draft: Runtime | None) -> Runtime:
+    if draft is None:
+        raise EngineError("the ceiling needs a draft model")
+    return draft
+
+
+def _record(target: Runtime, draft: Runtime, prompt_ids: list[int], answer: list[int]) -> Answer:
+    target.reset()
     start = time.perf_counter()
-    engine.target.forward(prompt_ids)
+    target.forward(prompt_ids)
     prefill = time.perf_counter() - start
-    predictions = draft_predictions(engine.draft, prompt_ids, answer)
-    return answer, Answer(prefill, runs_from_matches([p == t for p, t in zip(predictions, answer)]),
-                          lookup_runs(prompt_ids, answer, engine.target.vocab_size),
-                          guess_hits(prompt_ids, answer, predictions, engine.target.vocab_size))
+    predictions = draft_predictions(draft, prompt_ids, answer)
+    return Answer(
+        prefill,
+        runs_from_matches([p == t for p, t in zip(predictions, answer)]),
+        lookup_runs(prompt_ids, answer, target.vocab_size),
+        guess_hits(prompt_ids, answer, predictions, target.vocab_size),
+    )
 
 
 def draft_predictions(draft: Runtime, prompt_ids: list[int], answer: list[int]) -> list[int]:
@@ -133,7 +151,7 @@ def draft_predictions(draft: Runtime, prompt_ids: list[int], answer: list[int]) 
     draft.reset()
     predictions = [int(np.argmax(draft.forward(prompt_ids)[-1]))]
     for token in answer[:-1]:
-        predictions.append(int(np.argmax(draft.score([*draft.tokens, token])[-1])))
+        predictions.append(int(np.argmax(draft.sync([*draft.tokens, token])[-1])))
     return predictions
 
 
@@ -161,42 +179,56 @@ def guess_hits(prompt_ids: list[int], answer: list[int], predictions: list[int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.ceiling", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        target, draft = prepare_from_args(args)
-        engine = Engine(target.path, draft.path)
-        prompts = load_prompts(args.prompts)[: args.limit]
-        answers = []
-        for prompt_id, prompt in prompts:
-            prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
-            tokens, answer = analyse(engine, prompt_ids, args.max_new_tokens)
-            answers.append((prompt_id, len(tokens), answer))
-            print(f"  {prompt_id:>12} {len(tokens)} tokens, draft agrees on "
-                  f"{sum(r > 0 for r in answer.draft_runs) / max(1, len(tokens)):.0%}", file=sys.stderr)
-        costs = measure_costs(engine.target, engine.draft, engine.prompt_ids(
-            Request(({"role": "user", "content": prompts[0][1]},))) * 2)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(report(answers, costs))
-    return 0
+    return run_cli(lambda: print(report(*measure(parser.parse_args(argv)))))
+
+
+def measure(args: argparse.Namespace) -> tuple[list[tuple[str, int, Answer]], Costs]:
+    target, draft = prepare_from_args(args)
+    engine = Engine(target.path, draft.path)
+    prompts = load_prompts(args.prompts)[: args.limit]
+    answers = []
+    for prompt_id, prompt in prompts:
+        prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
+        tokens, answer = analyse(engine, prompt_ids, args.max_new_tokens)
+        answers.append((prompt_id, len(tokens), answer))
+        print(
+            f"  {prompt_id:>12} {len(tokens)} tokens, draft agrees on "
+            f"{sum(r > 0 for r in answer.draft_runs) / max(1, len(tokens)):.0%}",
+            file=sys.stderr,
+        )
+    context = engine.prompt_ids(Request(({"role": "user", "content": prompts[0][1]},))) * 2
+    return answers, engine.with_models(lambda t, d: measure_costs(t, _only(d), context))
+
+
+COLUMNS = [
+    Column("prompt", "prompt"),
+    Column("tokens", "tokens"),
+    Column("ceiling, draft model", "draft", "{:.2f}×"),
+    Column("ceiling, draft model or prompt lookup", "lookup", "{:.2f}×"),
+]
 
 
 def report(answers: list[tuple[str, int, Answer]], costs: Costs) -> str:
     """Per prompt and in all: the clairvoyant drafters' speedup over autoregressive decoding."""
-    lines = [f"target pass: 1 token {costs.verify[1] * 1e3:.1f} ms, 4 tokens {costs.verify[4] * 1e3:.1f} ms, "
-             f"{MAX_WIDTH} tokens {costs.verify[MAX_WIDTH] * 1e3:.1f} ms; draft step {costs.draft * 1e3:.1f} ms",
-             "| prompt | tokens | ceiling, draft model | ceiling, draft model or prompt lookup |",
-             "|---|---:|---:|---:|"]
+    rows = []
     for label, group in [*((pid, [(pid, n, a)]) for pid, n, a in answers), ("all", answers)]:
         ar = sum(a.prefill_s + n * costs.verify[1] for _, n, a in group)
-        ceilings = [ar / sum(a.prefill_s + min_decode_seconds(a, costs, lookup) for _, _, a in group)
-                    for lookup in (False, True)]
-        lines.append(f"| {label} | {sum(n for _, n, _ in group)} | {ceilings[0]:.2f}× | {ceilings[1]:.2f}× |")
-    return "\n".join(lines)
+        ceilings = [
+            speedup(ar, sum(a.prefill_s + min_decode_seconds(a, costs, lookup) for _, _, a in group))
+            for lookup in (False, True)
+        ]
+        rows.append(
+            {"prompt": label, "tokens": sum(n for _, n, _ in group), "draft": ceilings[0], "lookup": ceilings[1]}
+        )
+    return (
+        f"target pass: 1 token {costs.verify[1] * 1e3:.1f} ms, 4 tokens {costs.verify[4] * 1e3:.1f} ms, "
+        f"{MAX_WIDTH} tokens {costs.verify[MAX_WIDTH] * 1e3:.1f} ms; draft step {costs.draft * 1e3:.1f} ms\n"
+        + markdown_table(rows, COLUMNS)
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

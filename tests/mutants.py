@@ -1,0 +1,238 @@
+"""A small mutation check: does the fast suite notice when a behaviour a user relies on breaks?
+
+    python -m tests.mutants            # every mutation below (make mutants)
+    python -m tests.mutants --list     # what each one breaks
+    python -m tests.mutants top-p      # only the mutations whose name contains "top-p"
+
+Each mutation is a one-line change to the engine or the app. For each, a copy of the project is
+mutated and the fast suite runs on it (the tests most likely to notice first, then the rest,
+stopping at the first failure). A mutation that leaves every test green has survived: the
+command fails and names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["-m", "not real and not browser"]
+COPIED = ("app.py", "engine", "tests", "assets", "pytest.ini", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    breaks: str  # what a user would see
+    first: str  # the test file most likely to catch it, run before the rest
+
+
+MUTATIONS = [
+    Mutation(
+        "top-p ignored",
+        "engine/core/sampling.py",
+        "if params.top_p < 1.0:",
+        "if False:",
+        "the Top-p slider does nothing",
+        "tests/test_sampling.py",
+    ),
+    Mutation(
+        "temperature ignored",
+        "engine/core/sampling.py",
+        "z = logits / params.temperature",
+        "z = logits * 1.0",
+        "every temperature behaves like 1.0",
+        "tests/test_sampling.py",
+    ),
+    Mutation(
+        "top-k ignored",
+        "engine/core/sampling.py",
+        "if 0 < params.top_k < z.shape[-1]:",
+        "if False:",
+        "top-k does nothing",
+        "tests/test_sampling.py",
+    ),
+    Mutation(
+        "cancel never checked",
+        "engine/core/service.py",
+        "if cancel.is_set():",
+        "if False:",
+        "Stop and closed tabs no longer stop the engine",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "stop tokens ignored",
+        "engine/core/decoding.py",
+        "if t in config.stop_ids",
+        "if False",
+        "answers run past end-of-turn to the token limit",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "stop strings ignored",
+        "engine/core/textstream.py",
+        "return text[: min(hits)], True",
+        "return text, True",
+        "a stop string shows in the answer",
+        "tests/test_textstream.py",
+    ),
+    Mutation(
+        "cache never reused",
+        "engine/core/service.py",
+        "if not request.reuse_cache:",
+        "if True:",
+        "every turn re-prefills the whole chat",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "lookup copies one too far",
+        "engine/core/drafters.py",
+        "context[best : best + k]",
+        "context[best + 1 : best + 1 + k]",
+        "prompt lookup drafts the wrong tokens (slower)",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "adaptive K never grows",
+        "engine/core/drafters.py",
+        "current + 2 if accepted == drafted",
+        "current - 1 if accepted == drafted",
+        "adaptive mode drafts ever fewer tokens (slower)",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "hybrid adapts on lookup drafts",
+        "engine/core/drafters.py",
+        "if self._model_proposed:",
+        "if True:",
+        "the draft model's K moves on prompt lookup's verdicts",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "accept rule always accepts",
+        "engine/core/speculative.py",
+        "if rng.random() * q[i, token] < p[i, token]:",
+        "if True:",
+        "sampled answers follow the draft, not the target",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "greedy accept off by one",
+        "engine/core/speculative.py",
+        "return n, int(best[n])",
+        "return n, int(best[max(0, n - 1)])",
+        "greedy answers differ from the target's",
+        "tests/test_speculative.py",
+    ),
+    Mutation(
+        "trim is a no-op",
+        "engine/core/runtime.py",
+        "if keep >= len(self.tokens):",
+        "if True:",
+        "rejected drafts stay in the cache: wrong answers",
+        "tests/test_decoding.py",
+    ),
+    Mutation(
+        "masked rollback shifted",
+        "engine/core/runtime.py",
+        "self._mask[slots[keep] :] = 0",
+        "self._mask[slots[keep] + 1 :] = 0",
+        "the draft attends to a rejected token",
+        "tests/test_runtime.py",
+    ),
+    Mutation(
+        "half characters streamed",
+        "engine/core/textstream.py",
+        'if after.endswith("\\ufffd") or',
+        "if",
+        "broken characters appear while streaming",
+        "tests/test_textstream.py",
+    ),
+    Mutation(
+        "the chat ignores its mode",
+        "app.py",
+        "mode=mode,\n        k=int(k),",
+        'mode="autoregressive",\n        k=int(k),',
+        "the mode radio does nothing",
+        "tests/test_app.py",
+    ),
+    Mutation(
+        "colouring ignored",
+        "app.py",
+        'if turn["role"] == "assistant" and colour and turn.get("pieces"):',
+        "if False:",
+        "the provenance colours never show",
+        "tests/test_app.py",
+    ),
+]
+
+
+def mutate(tree: Path, mutation: Mutation) -> None:
+    path = tree / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        raise SystemExit(
+            f"mutation '{mutation.name}': the line to change is not found once in {mutation.path} "
+            f"(has the code moved? update tests/mutants.py)"
+        )
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def caught(mutation: Mutation, timeout_s: float) -> tuple[bool, float]:
+    """Run the fast suite on a mutated copy; True when some test fails."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutant-") as folder:
+        tree = Path(folder)
+        for name in COPIED:
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, tree / name)
+        mutate(tree, mutation)
+        for tests in ([mutation.first], ["tests", "--deselect", mutation.first]):
+            command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *FAST, *tests]
+            try:
+                result = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return True, time.monotonic() - start  # a hang is noticed too
+            if result.returncode not in (0, 5):  # 5: no test selected
+                return True, time.monotonic() - start
+    return False, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("only", nargs="*", help="run only mutations whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per test run")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(word in m.name for word in args.only)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:<32} {m.path:<28} {m.breaks}")
+        return 0
+    survivors = []
+    for m in chosen:
+        found, seconds = caught(m, args.timeout)
+        print(f"{'caught  ' if found else 'SURVIVED'} {m.name:<32} {seconds:6.0f} s  ({m.breaks})", flush=True)
+        if not found:
+            survivors.append(m.name)
+    print(f"{len(chosen) - len(survivors)} of {len(chosen)} mutations caught")
+    if survivors:
+        print(f"survived: {', '.join(survivors)}: add a test that fails on each", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
