@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from tests.tiny import TINY_SHAPE
+
 ARCHES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}
 # tokenizer.ggml.pre values llama.cpp uses for these families (transformers ignores it:
 # it picks the pre-tokenizer from the architecture, see the module docstring).
@@ -213,11 +215,7 @@ def _make_model(arch: str, folder: Path, vocab_size: int, tied: bool) -> None:
 
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     config = config_cls(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
+        **TINY_SHAPE,
         vocab_size=vocab_size,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,

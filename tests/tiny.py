@@ -15,6 +15,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The shape every tiny model shares: 2 layers, hidden 64, grouped-query attention.
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "for i in range(10):\n    print(i)\n",
@@ -70,12 +78,8 @@ def build_model(
     else:
         config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
         config = config_cls(
+            **TINY_SHAPE,
             vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=max_positions,
             tie_word_embeddings=False,
             initializer_range=0.3,

@@ -33,7 +33,7 @@ from engine.core.runtime import Runtime
 from engine.core.service import Engine, Request
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
-from engine.tools import llamacpp
+from engine.tools import llamacpp, report
 from engine.tools.report import Column, markdown_table, speedup, write_text
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
@@ -43,12 +43,12 @@ PEERS_PER_K = {"genai-sd", "llamacpp-sd"}
 # llama.cpp runs the GGUF's own quantized weights, not the IR's: its tokens are not compared to ar.
 OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd"}
 COLUMNS = [
-    Column("mode", "mode"),
-    Column("tokens/s", "tokens_per_s", "{:.1f}"),
-    Column("speedup vs ar", "speedup_vs_ar", "{:.2f}×"),
+    report.MODE,
+    report.TOKENS_PER_S,
+    report.SPEEDUP,
     Column("TTFT s", "ttft_s", "{:.2f}"),
-    Column("acceptance", "acceptance_rate", "{:.2f}"),
-    Column("mean accepted length", "mean_accepted_length", "{:.2f}"),
+    report.ACCEPTANCE,
+    report.MEAN_ACCEPTED,
     Column("identical to ar", "identical_to_ar", "{:.0%}"),
     Column("max margin at divergence", "max_divergence_margin", "{:.3f}"),
 ]

@@ -16,6 +16,7 @@ from engine.cli import run_cli
 from engine.core.service import Engine
 from engine.prepare.convert import Compression
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, draft_compression, prepare_one
+from engine.tools import report
 from engine.tools.bench import add_prompt_arguments, load_prompts, run_bench, summarize
 from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
 
@@ -64,11 +65,11 @@ def run_paper(args: argparse.Namespace) -> None:
 COLUMNS = [
     Column("setup", "setup"),
     Column("N", "n"),
-    Column("mode", "mode"),
-    Column("tokens/s", "tokens_per_s", "{:.1f}"),
-    Column("speedup vs ar", "speedup_vs_ar", "{:.2f}×"),
-    Column("acceptance", "acceptance_rate", "{:.2f}"),
-    Column("mean accepted length", "mean_accepted_length", "{:.2f}"),
+    report.MODE,
+    report.TOKENS_PER_S,
+    report.SPEEDUP,
+    report.ACCEPTANCE,
+    report.MEAN_ACCEPTED,
     Column("target KV KiB", "target_kv_kib", "{:.0f}"),
     Column("draft KV KiB", "draft_kv_kib", "{:.0f}"),
 ]

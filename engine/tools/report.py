@@ -28,6 +28,14 @@ class Column:
         return MISSING if value is None else self.template.format(value)
 
 
+# The columns every speed table shares, named as docs/design.md "Metrics" defines them.
+MODE = Column("mode", "mode")
+TOKENS_PER_S = Column("tokens/s", "tokens_per_s", "{:.1f}")
+SPEEDUP = Column("speedup vs ar", "speedup_vs_ar", "{:.2f}×")
+ACCEPTANCE = Column("acceptance", "acceptance_rate", "{:.2f}")
+MEAN_ACCEPTED = Column("mean accepted length", "mean_accepted_length", "{:.2f}")
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     """A GitHub markdown table; columns of numbers align right."""
     numeric = [any(isinstance(r.get(c.key), (int, float)) for r in rows) for c in columns]
