@@ -38,6 +38,30 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "ranges never checked",
+        "engine/core/service.py",
+        "if above and value <= high and (not whole or value == int(value)):",
+        "if True:",
+        "a NaN temperature silently produces garbage",
+        "tests/test_hardening.py",
+    ),
+    Mutation(
+        "typed control tokens parsed",
+        "engine/core/chat.py",
+        "split_special_tokens=True",
+        "split_special_tokens=False",
+        "a user can open a system turn by typing its tokens",
+        "tests/test_hardening.py",
+    ),
+    Mutation(
+        "prefill not cancellable",
+        "engine/core/decoding.py",
+        "        if cancelled():\n            return False",
+        "        if False:\n            return False",
+        "Stop during a long prompt waits for the whole prefill",
+        "tests/test_hardening.py",
+    ),
+    Mutation(
         "top-p ignored",
         "engine/core/sampling.py",
         "if params.top_p < 1.0:",
@@ -160,8 +184,8 @@ MUTATIONS = [
     Mutation(
         "the chat ignores its mode",
         "app.py",
-        "mode=mode,\n        k=int(k),",
-        'mode="autoregressive",\n        k=int(k),',
+        "mode=mode,\n        k=_whole(k),",
+        'mode="autoregressive",\n        k=_whole(k),',
         "the mode radio does nothing",
         "tests/test_app.py",
     ),
