@@ -541,6 +541,12 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             stopped, metrics_json, metrics_panel, queue=False, api_visibility="private"
         )
         clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False)
+
+        def engine_health() -> dict:
+            """Whether the engine is making progress, and how many requests wait for it or use it."""
+            return {"healthy": engine.healthy, "pending": engine.pending}
+
+        gr.api(engine_health, api_name="health", queue=False)
         chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, queue=False, api_visibility="private")
         mode.change(draft_length_for, mode, k, queue=False, api_visibility="private")

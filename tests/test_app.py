@@ -15,6 +15,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
+from engine.tools import chaos
 
 GREEDY = {
     "colour": False,
@@ -299,3 +300,14 @@ def test_serving_beyond_loopback_or_by_share_link_without_a_login_is_warned_abou
     assert app.launch_warnings("::1", share=False, auth=None) == []
     assert len(app.launch_warnings("0.0.0.0", share=True, auth=None)) == 2
     assert app.launch_warnings("0.0.0.0", share=True, auth=("ada", "pw")) == []
+
+
+def test_health_says_whether_the_engine_makes_progress(client, engine):
+    assert client.predict(api_name="/health") == {"healthy": True, "pending": 0}
+
+
+def test_a_chaos_run_leaves_every_normal_answer_intact(url):
+    """Normal and misbehaving users together (bounded, loopback): engine.tools.chaos on tiny models."""
+    tallies = chaos.run(url, ["def add(a, b):", "class Stack:"], users=2, rounds=1, max_new_tokens=24, seconds=120)
+    assert [t.kind for t in tallies] == ["normal", *chaos.MISBEHAVIOUR, "engine at the end"]
+    assert all(t.requests and t.as_expected == t.requests for t in tallies), [t.failures for t in tallies]

@@ -87,7 +87,7 @@ def test_stop_during_a_long_prompt_ends_within_one_prefill_chunk(engine, fresh_a
     start = time.monotonic()
     stream.cancel()
     final = next(e for e in stream if e.final)
-    assert time.monotonic() - start < 0.4
+    assert time.monotonic() - start < 0.5  # one 16-token chunk; the whole prefill would take ~0.75 s more
     assert final.metrics["finish_reason"] == "cancelled" and final.metrics["new_tokens"] == 0
     monkeypatch.undo()
     assert_engine_answers_as_fresh(engine, fresh_answer)
