@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast lint mutants prepare bench bench-peers ceiling llama-cpp paper report chromium clean
+.PHONY: setup run test test-fast lint mutants chaos prepare bench bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+# Normal and misbehaving users at once against the app on the default pair (loopback, bounded).
+chaos: setup prepare
+	$(PY) -m engine.tools.chaos --json bench-results/chaos.json --table bench-results/chaos.md $(ARGS)
 
 # One-line mutations of the engine, each run against the fast suite: fails if any survives.
 mutants: setup

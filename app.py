@@ -647,6 +647,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also ask Gradio for a public link")
     parser.add_argument("--auth", metavar="USER:PASS", help=f"require a login (default: ${AUTH_ENV})")
+    parser.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        help="the longest conversation accepted, in tokens (default: 3/4 of the context)",
+    )
     return parser.parse_args(argv)
 
 
@@ -654,7 +660,7 @@ def start_engine(args: argparse.Namespace) -> Engine:
     """Prepare the models (converting them on first use) and load them, once."""
     target, draft = prepare_from_args(args)
     print(f"loading and warming up the models on {args.device}…", file=sys.stderr, flush=True)
-    return Engine(target.path, draft.path, device=args.device)
+    return Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -311,3 +311,9 @@ def test_a_chaos_run_leaves_every_normal_answer_intact(url):
     tallies = chaos.run(url, ["def add(a, b):", "class Stack:"], users=2, rounds=1, max_new_tokens=24, seconds=120)
     assert [t.kind for t in tallies] == ["normal", *chaos.MISBEHAVIOUR, "engine at the end"]
     assert all(t.requests and t.as_expected == t.requests for t in tallies), [t.failures for t in tallies]
+
+
+def test_uploads_over_a_megabyte_are_refused(url):
+    small = httpx.post(f"{url}gradio_api/upload", files={"files": ("a.txt", b"x" * 1000)})
+    big = httpx.post(f"{url}gradio_api/upload", files={"files": ("b.txt", b"x" * 2_000_000)})
+    assert small.status_code == 200 and big.status_code == 413
