@@ -33,7 +33,7 @@ class Mutation:
     old: str
     new: str
     breaks: str  # what a user would see
-    first: str  # the test file most likely to catch it, run before the rest
+    first: str  # the test (file or node id) most likely to catch it, run before the rest
 
 
 MUTATIONS = [
@@ -91,7 +91,7 @@ MUTATIONS = [
         "if cancel.is_set():",
         "if False:",
         "Stop and closed tabs no longer stop the engine",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_cancelling_a_stream_stops_the_engine_within_one_round",
     ),
     Mutation(
         "stop tokens ignored",
@@ -99,7 +99,7 @@ MUTATIONS = [
         "if t in config.stop_ids",
         "if False",
         "answers run past end-of-turn to the token limit",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_a_stop_token_ends_the_answer_with_nothing_after_it",
     ),
     Mutation(
         "stop strings ignored",
@@ -115,7 +115,7 @@ MUTATIONS = [
         "if not request.reuse_cache:",
         "if True:",
         "every turn re-prefills the whole chat",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_multi_turn_reuses_the_cache_and_equals_a_fresh_run",
     ),
     Mutation(
         "lookup copies one too far",
@@ -123,7 +123,7 @@ MUTATIONS = [
         "context[best : best + k]",
         "context[best + 1 : best + 1 + k]",
         "prompt lookup drafts the wrong tokens (slower)",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_lookup_proposes_the_exact_continuation_of_the_best_earlier_match",
     ),
     Mutation(
         "adaptive K never grows",
@@ -131,7 +131,7 @@ MUTATIONS = [
         "current + 2 if accepted == drafted",
         "current - 1 if accepted == drafted",
         "adaptive mode drafts ever fewer tokens (slower)",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_adaptive_k_grows_after_full_acceptance_and_shrinks_after_a_rejection",
     ),
     Mutation(
         "hybrid adapts on lookup drafts",
@@ -139,7 +139,7 @@ MUTATIONS = [
         "if self._model_proposed:",
         "if True:",
         "the draft model's K moves on prompt lookup's verdicts",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_a_hybrid_adapts_its_model_only_on_the_model_s_own_drafts",
     ),
     Mutation(
         "accept rule always accepts",
@@ -147,7 +147,7 @@ MUTATIONS = [
         "if rng.random() * q[i, token] < p[i, token]:",
         "if True:",
         "sampled answers follow the draft, not the target",
-        "tests/test_decoding.py",
+        "tests/test_speculative.py::test_a_rejected_token_is_resampled_from_the_residual",
     ),
     Mutation(
         "greedy accept off by one",
@@ -163,7 +163,7 @@ MUTATIONS = [
         "if keep >= len(self.tokens):",
         "if True:",
         "rejected drafts stay in the cache: wrong answers",
-        "tests/test_decoding.py",
+        "tests/test_decoding.py::test_logits_after_trim_equal_a_fresh_run",
     ),
     Mutation(
         "masked rollback shifted",
