@@ -131,3 +131,11 @@ def test_a_hung_step_fails_the_request_and_the_engine_is_unhealthy_until_it_retu
     while engine.pending and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.healthy and engine.pending == 0
+
+
+def test_waiting_behind_requests_that_progress_is_not_a_timeout(engine, monkeypatch):
+    monkeypatch.setattr(engine, "step_timeout", 0.3)
+    slowed(monkeypatch, engine.target, 0.1)  # each request takes about 2 s, each step 0.1 s
+    first = engine.generate(Request(HELLO, max_new_tokens=20, reuse_cache=False))
+    second = engine.run(Request(HELLO, mode="autoregressive", max_new_tokens=20))
+    assert second.kind == "done" and next(e for e in first if e.final).kind == "done"

@@ -113,14 +113,16 @@ class Stream:
 
     ``cancel()`` asks the engine to stop after the current round (or prefill chunk); the stream
     still ends with its final event (finish reason ``cancelled``). ``close()`` cancels and stops
-    reading. A stream whose engine shows no progress for ``step_timeout`` seconds ends with an
-    error event instead of waiting forever."""
+    reading. A stream whose engine is unhealthy (no progress on any request for
+    ``step_timeout`` seconds) ends with an error event instead of waiting forever; waiting
+    behind other requests that do progress is not a failure."""
 
-    def __init__(self, step_timeout: float) -> None:
+    def __init__(self, step_timeout: float, healthy: Callable[[], bool]) -> None:
         self._events: queue.Queue[Event] = queue.Queue()
         self._cancel = threading.Event()
         self._ended = False
         self.step_timeout = step_timeout
+        self._healthy = healthy
 
     def __iter__(self) -> Stream:
         return self
@@ -128,11 +130,16 @@ class Stream:
     def __next__(self) -> Event:
         if self._ended:
             raise StopIteration
-        try:
-            event = self._events.get(timeout=self.step_timeout)
-        except queue.Empty:
-            self.cancel()
-            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
+        while True:
+            try:
+                event = self._events.get(timeout=self.step_timeout)
+                break
+            except queue.Empty:
+                if not self._healthy():
+                    self.cancel()
+                    error = f"the engine did not answer within {self.step_timeout:g} s; try again later"
+                    event = Event("error", error=error)
+                    break
         self._ended = event.final
         return event
 
@@ -263,7 +270,7 @@ class Engine:
     def generate(self, request: Request) -> Stream:
         """Stream the events of one request (see :class:`Stream` for how to stop it). A request
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
-        stream = Stream(self.step_timeout)
+        stream = Stream(self.step_timeout, lambda: self.healthy)
         try:
             prompt = self.check(request)
         except EngineError as exc:

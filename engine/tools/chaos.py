@@ -196,9 +196,15 @@ def run(url: str, prompts: list[str], users: int, rounds: int, max_new_tokens: i
     return [normal, *bad.values(), health]
 
 
+def peak_rss_gib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), in GiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 2**20
+
+
 @contextlib.contextmanager
-def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[str]:
-    """``python app.py`` on a free loopback port, until the block ends."""
+def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[str, int]]:
+    """``python app.py`` on a free loopback port, until the block ends: (its URL, its pid)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -219,7 +225,7 @@ def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[str]:
             time.sleep(1)
         else:
             raise EngineError(f"the app did not serve within {timeout_s:.0f} s")
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -239,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def chaos() -> None:
         prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
-        with contextlib.nullcontext(args.url) if args.url else app_server(app_args) as url:
+        with contextlib.nullcontext((args.url, None)) if args.url else app_server(app_args) as (url, pid):
             require_loopback(url)
             tallies = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds)
-        table = markdown_table([asdict(t) for t in tallies], COLUMNS)
+            memory = f"\napp peak RSS: {peak_rss_gib(pid):.1f} GiB" if pid else ""
+        table = markdown_table([asdict(t) for t in tallies], COLUMNS) + memory
         print(table)
         for t in tallies:
             for failure in t.failures:
