@@ -30,7 +30,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no usage pings to 
 
 import gradio as gr
 import pandas as pd
+from fastapi import APIRouter
 
+from engine.api.openai import build_router
 from engine.core.modes import MODES
 from engine.core.service import Engine, Request
 from engine.errors import EngineError
@@ -40,6 +42,7 @@ from engine.tools.report import markdown_table, speedup
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 AUTH_ENV = "SPECCHAT_AUTH"
+API_KEY_ENV = "SPECCHAT_API_KEY"
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_id": "engine", "concurrency_limit": 1}  # every engine handler waits here
 PAPER_LENGTHS = (40, 100)
 PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
@@ -571,9 +574,12 @@ def launch(
     share: bool = False,
     auth: tuple[str, str] | None = None,
     block: bool = True,
+    api: APIRouter | None = None,
+    api_key: str | None = None,
 ) -> str:
-    """Serve ``demo`` and return its local URL. Where no share link can be made (no internet,
-    no tunnel client), say so in one line and keep serving locally."""
+    """Serve ``demo`` (and ``api``'s routes on the same port) and return its local URL. Where no
+    share link can be made (no internet, no tunnel client), say so in one line and keep serving
+    locally."""
     gradio_says = io.StringIO()
     with contextlib.redirect_stdout(gradio_says) if share else contextlib.nullcontext():
         demo.launch(
@@ -589,8 +595,10 @@ def launch(
             css_paths=[ASSETS / "style.css"],
             footer_links=["api", "settings"],
         )
+    if api is not None:
+        demo.server_app.include_router(api)
     local = str(demo.local_url)
-    for warning in launch_warnings(host, share, auth):
+    for warning in launch_warnings(host, share, auth, bool(api_key)):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if share and demo.share_url:
         print(f"serving at {local} and at the public link {demo.share_url}", flush=True)
@@ -609,16 +617,15 @@ def launch(
     return local
 
 
-def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None) -> list[str]:
-    """What an operator should hear before strangers can reach the app without a login."""
-    if auth:
+def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None, keyed: bool = False) -> list[str]:
+    """What an operator should hear before strangers can reach the app or its API without a login."""
+    if _loopback(host) and not share:
         return []
-    reach = []
-    if share:
-        reach.append("a public share link")
-    if not _loopback(host):
-        reach.append(f"the address {host}")
-    return [f"{where} serves the app without a login: pass --auth USER:PASS (or ${AUTH_ENV})" for where in reach]
+    reach = "a public share link" if share else f"the address {host}"
+    said = [] if auth else [f"{reach} serves the app without a login: pass --auth USER:PASS (or ${AUTH_ENV})"]
+    if not keyed and not _loopback(host):
+        said.append(f"the address {host} serves the API (/v1) without a key: pass --api-key KEY (or ${API_KEY_ENV})")
+    return said
 
 
 def _loopback(host: str) -> bool:
@@ -647,6 +654,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also ask Gradio for a public link")
     parser.add_argument("--auth", metavar="USER:PASS", help=f"require a login (default: ${AUTH_ENV})")
+    parser.add_argument("--api-key", help=f"the key /v1 needs as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     parser.add_argument(
         "--max-input-tokens",
         type=int,
@@ -656,15 +664,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_engine(args: argparse.Namespace) -> Engine:
-    """Prepare the models (converting them on first use) and load them, once."""
+def start_engine(args: argparse.Namespace) -> tuple[Engine, APIRouter]:
+    """Prepare the models (converting them on first use), load them once, and the API over them."""
     target, draft = prepare_from_args(args)
     print(f"loading and warming up the models on {args.device}…", file=sys.stderr, flush=True)
-    return Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
+    engine = Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
+    models = {
+        role: {"source": m.source, "precision": m.precision} for role, m in (("target", target), ("draft", draft))
+    }
+    return engine, build_router(engine, target.source, models, args.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
@@ -672,12 +685,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = start_engine(args)
+        engine, api = start_engine(args)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        launch(build_app(engine), args.host, args.port, args.share, auth)
+        launch(build_app(engine), args.host, args.port, args.share, auth, api=api, api_key=args.api_key)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -298,8 +298,14 @@ def test_serving_beyond_loopback_or_by_share_link_without_a_login_is_warned_abou
     assert app.launch_warnings("127.0.0.1", share=False, auth=None) == []
     assert app.launch_warnings("localhost", share=False, auth=None) == []
     assert app.launch_warnings("::1", share=False, auth=None) == []
-    assert len(app.launch_warnings("0.0.0.0", share=True, auth=None)) == 2
-    assert app.launch_warnings("0.0.0.0", share=True, auth=("ada", "pw")) == []
+    assert app.launch_warnings("127.0.0.1", share=True, auth=("ada", "pw")) == []
+    assert [w.split(" serves ")[1][:20] for w in app.launch_warnings("0.0.0.0", share=False, auth=None)] == [
+        "the app without a lo",
+        "the API (/v1) withou",
+    ]
+    assert len(app.launch_warnings("127.0.0.1", share=True, auth=None)) == 1  # the API stays on loopback
+    assert len(app.launch_warnings("0.0.0.0", share=False, auth=("ada", "pw"))) == 1
+    assert app.launch_warnings("0.0.0.0", share=False, auth=("ada", "pw"), keyed=True) == []
 
 
 def test_health_says_whether_the_engine_makes_progress(client, engine):
