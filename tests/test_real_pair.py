@@ -48,3 +48,35 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
     target.trim(len(prompt))
     np.testing.assert_array_equal(target.forward(tokens, rows=len(tokens)), singles)
     target.reset()
+
+
+def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine):
+    """A cold cache starts with one token, and passes with a past compute every row alike at any
+    width: so a turn prefilled after another conversation (sharing only the system prompt) or in
+    other chunks gives the answer a cold cache gives."""
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:3]]
+    cold = [
+        real_engine.run(
+            Request(({"role": "user", "content": p},), mode="best", max_new_tokens=48, reuse_cache=False)
+        ).token_ids
+        for p in prompts
+    ]
+    warm = [
+        real_engine.run(Request(({"role": "user", "content": p},), mode="best", max_new_tokens=48)).token_ids
+        for p in prompts[::-1]
+    ]
+    assert warm[::-1] == cold
+
+
+def test_the_cold_cache_starts_with_one_token(real_engine):
+    target = real_engine.target
+    target.reset()
+    widths = []
+    forward = target.forward
+    target.forward = lambda new, rows=1: widths.append(len(new)) or forward(new, rows)
+    try:
+        target.forward(list(range(1000, 1040)))
+    finally:
+        del target.forward
+    assert widths == [40, 1, 39]  # the call, then its two passes
+    target.reset()

@@ -57,6 +57,7 @@ class Runtime:
         vocab_limit: int | None = None,
         masked_rollback: bool = False,
         pass_width: int = 1,
+        first_token_alone: bool = False,
     ):
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
 
@@ -70,7 +71,14 @@ class Runtime:
         ones (rolled back for free when masked). The CPU plugin pays a setup cost on every pass
         whose token count differs from the previous pass's, about a quarter of a draft step; a
         draft fed 2 tokens on every step (its catch-up after an accepted round needs 2) never pays
-        it, and a 2-token step costs what a 1-token step does (docs/design.md, "One pass width for the draft")."""
+        it, and a 2-token step costs what a 1-token step does (docs/design.md, "One pass width for the draft").
+
+        ``first_token_alone``: a pass into an empty cache goes over its first token alone. On this
+        CPU a pass with a past computes every row bit for bit alike, whatever its width, but the
+        first pass into an empty cache rounds differently with its width (docs/design.md, "Why
+        greedy speculative output is exact"). Starting every cache with one token makes the cache
+        entries, and so the answer, the same whatever the cache held before and however the
+        prompt is chunked. For the target, whose rounding is the output."""
         if pass_width > 1 and not masked_rollback:
             raise ValueError("pass_width > 1 re-feeds a cached token every step: it needs masked_rollback")
         core = core or ov.Core()
@@ -92,6 +100,7 @@ class Runtime:
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         self.masked_rollback = masked_rollback
         self.pass_width = pass_width
+        self.first_token_alone = first_token_alone
         self._mask = np.ones(0, dtype=np.int64)  # one entry per cache slot: 0 = dropped
         self.passes = 0
 
@@ -148,6 +157,10 @@ class Runtime:
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
         """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them."""
+        if self.first_token_alone and not self.tokens and len(new_tokens) > 1:
+            first = self.forward(new_tokens[:1])
+            rest = self.forward(new_tokens[1:], rows)
+            return np.concatenate([first, rest])[-rows:] if rows >= len(new_tokens) else rest
         past, m = len(self.tokens), len(new_tokens)
         if past + m > self.max_context:
             raise ContextLimitError(f"{past + m} tokens exceed the model's context of {self.max_context}")

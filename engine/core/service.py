@@ -173,7 +173,9 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.target = Runtime(Path(target_dir), device, TARGET_CONFIG if config is None else config)
+        self.target = Runtime(
+            Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
+        )
         self.draft = (
             Runtime(
                 Path(draft_dir),
