@@ -4,9 +4,9 @@
 
 One file, read top to bottom: rendering helpers, the handlers (small functions that
 stream by ``yield``), the layout and its event wiring in ``build_app``, then the
-launch. Per-browser data lives in ``gr.State``; the one engine is shared, and every
-handler that uses it runs in a single Gradio queue (``concurrency_id="engine"``), so
-users wait their turn and see their place in the queue.
+launch. Per-browser data lives in ``gr.State``; the one engine is shared. Handlers run
+concurrently and the engine serves their requests in arrival order, so a bad request is
+answered at once, never after the answers ahead of it; a waiting user sees how many are ahead.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from engine.tools.report import markdown_table, speedup
 ASSETS = Path(__file__).resolve().parent / "assets"
 AUTH_ENV = "SPECCHAT_AUTH"
 API_KEY_ENV = "SPECCHAT_API_KEY"
-ENGINE_QUEUE: dict[str, Any] = {"concurrency_id": "engine", "concurrency_limit": 1}  # every engine handler waits here
+ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # the engine orders the requests itself
 PAPER_LENGTHS = (40, 100)
 PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
 LEGEND = {
@@ -206,7 +206,7 @@ class Throughput:
 # -- chat handlers ----------------------------------------------------------------------------
 def respond(engine, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed):
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
-    turns = [*turns, {"role": "user", "content": message}]
+    turns = [*turns, {"role": "user", "content": message or ""}]
     yield from stream_answer(engine, turns, colour, (mode, k, temperature, top_p, max_new_tokens, seed), box="")
 
 
@@ -229,6 +229,9 @@ def stream_answer(engine, turns, colour, settings, box):
     throughput = Throughput()
     events = engine.generate(make_request(conversation(turns[:-1]), *settings))
     try:
+        if (ahead := engine.pending - 1) > 0:
+            waiting = f'<div class="metrics empty">Waiting for the engine: {ahead} ahead.</div>'
+            yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip()
         for event in events:
             if event.kind == "error":
                 answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
@@ -369,7 +372,7 @@ def paper_table(engine, prompt, k):
     for n in PAPER_LENGTHS:
         ar_wall = None
         for mode in ("autoregressive", "speculative"):
-            request = Request(messages, mode=mode, k=int(k), max_new_tokens=n, temperature=0.0, reuse_cache=False)
+            request = Request(messages, mode=mode, k=_whole(k), max_new_tokens=n, temperature=0.0, reuse_cache=False)
             events = engine.generate(request)
             try:
                 for event in events:
@@ -562,7 +565,7 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table", **ENGINE_QUEUE),
         ]
         stop_compare.click(None, cancels=compare_events)  # type: ignore[arg-type]  # Gradio takes its events here
-    demo.queue(default_concurrency_limit=1, max_size=64)
+    demo.queue(default_concurrency_limit=None, max_size=64)
     return demo
 
 

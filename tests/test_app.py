@@ -162,6 +162,10 @@ class SlowEngine:
         self.closed = threading.Event()
         self.final_read = False
 
+    @property
+    def pending(self) -> int:
+        return self.engine.pending
+
     def generate(self, request):
         events = self.engine.generate(request)
         try:

@@ -24,7 +24,8 @@ from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
 
-# Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most.
+# Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most. Every
+# mode prefills this way; with a past, a pass's width does not change its rows' rounding.
 PREFILL_CHUNK = 256
 
 
@@ -43,6 +44,7 @@ class DecodeConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
+    progress: Callable[[], None] = lambda: None  # called after every prefill chunk
 
 
 @dataclass
@@ -66,7 +68,7 @@ def decode(
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
-    if not _prefill(target, context, config.cancelled, stats):
+    if not _passes(target.feed(context, PREFILL_CHUNK), config, stats, "target"):
         stats.finish_reason = "cancelled"
         return
     while stats.new_tokens < config.max_new_tokens:
@@ -78,6 +80,10 @@ def decode(
         # many tokens may round differently from passes over a few, while a verify pass (up to 32
         # tokens measured) computes each row exactly as single steps do (tests/test_runtime.py).
         limit = min(config.max_new_tokens - stats.new_tokens - 1, room - 1)  # drafted tokens that fit
+        drafting = drafter if speculative and stats.rounds == 1 else None  # the draft's own long prefill
+        if drafting is not None and not _passes(drafting.catch_up(context, PREFILL_CHUNK), config, stats, "draft"):
+            stats.finish_reason = "cancelled"
+            return
         round_ = (
             _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats)
             if drafter is not None and speculative and stats.rounds and limit > 0
@@ -102,19 +108,24 @@ def decode(
     stats.finish_reason = "length"
 
 
-def _prefill(target: Runtime, context: list[int], cancelled: Callable[[], bool], stats: Stats) -> bool:
-    """Feed the prompt's uncached tokens in passes of :data:`PREFILL_CHUNK`, all but the last
-    chunk, which the first round's step scores; between passes, stop if the request is cancelled
-    (False). Every mode prefills this way, so greedy output stays the same in every mode."""
-    target.trim(common_prefix(target.tokens, context))
-    while len(context) - len(target.tokens) > PREFILL_CHUNK:
-        if cancelled():
-            return False
-        start = time.perf_counter()
-        target.forward(context[len(target.tokens) : len(target.tokens) + PREFILL_CHUNK])
-        stats.target_seconds += time.perf_counter() - start
-        stats.target_passes += 1
-    return not cancelled()
+def _passes(passes: Iterator[None], config: DecodeConfig, stats: Stats, model: str) -> bool:
+    """Run a model's prefill ``passes`` (a long prompt, in chunks), timed as that model's work;
+    between passes, report progress and stop if the request is cancelled (False)."""
+    start = time.perf_counter()
+    try:
+        for _ in passes:
+            config.progress()
+            if config.cancelled():
+                return False
+            if model == "target":
+                stats.target_passes += 1
+    finally:
+        seconds = time.perf_counter() - start
+        if model == "target":
+            stats.target_seconds += seconds
+        else:
+            stats.draft_seconds += seconds
+    return not config.cancelled()
 
 
 def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) -> np.ndarray:

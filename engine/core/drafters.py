@@ -5,7 +5,7 @@ lookup, adaptive length, a cheaper draft head) plug in without touching it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,10 @@ class Drafter(Protocol):
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        """Bring what the drafter caches up to ``context`` in passes of ``chunk`` tokens (a long
+        prompt before the first draft), yielding between passes."""
 
     def rollback(self, accepted: Sequence[int]) -> None:
         """Forget every cached token that is not a prefix of ``accepted``."""
@@ -142,6 +146,9 @@ class ModelDrafter:
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs
 
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return self.runtime.feed(context, chunk)
+
     def observe(self, drafted: int, accepted: int) -> None:
         if self.adaptive and drafted:
             current = self.k or drafted
@@ -216,6 +223,9 @@ class LookupDrafter:
     def observe(self, drafted: int, accepted: int) -> None:
         pass
 
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return iter(())
+
     def rollback(self, accepted: Sequence[int]) -> None:
         pass
 
@@ -240,6 +250,9 @@ class HybridDrafter:
     def observe(self, drafted: int, accepted: int) -> None:
         if self._model_proposed:
             self.model.observe(drafted, accepted)
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return self.model.catch_up(context, chunk)
 
     def rollback(self, accepted: Sequence[int]) -> None:
         self.model.rollback(accepted)

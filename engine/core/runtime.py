@@ -8,7 +8,7 @@ states: nothing already computed is computed again.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +177,15 @@ class Runtime:
         self.tokens.extend(new_tokens)
         self.passes += 1
         return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
+
+    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[None]:
+        """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
+        ``chunk`` tokens (after trimming it to the prefix it shares with them); yield after each
+        pass, so a caller can stop between them."""
+        self.trim(common_prefix(self.tokens, tokens))
+        while len(tokens) - len(self.tokens) > chunk:
+            self.forward(tokens[len(self.tokens) : len(self.tokens) + chunk])
+            yield
 
     def sync(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:
         """Make the cache hold ``tokens``: trim it to the longest prefix it shares with them (less

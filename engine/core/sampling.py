@@ -30,7 +30,7 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs = np.zeros_like(logits)
         np.put_along_axis(probs, logits.argmax(-1)[..., None], 1.0, axis=-1)
         return probs
-    z = logits / params.temperature
+    z = (logits - logits.max(-1, keepdims=True)) / params.temperature  # no inf - inf at a tiny temperature
     if 0 < params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
         z = np.where(z < kth, -np.inf, z)

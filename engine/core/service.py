@@ -42,6 +42,7 @@ INPUT_SHARE = 0.75
 # (no tokenizer here packs more characters into a token).
 MAX_CHARS_PER_TOKEN = 16
 MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_K = 16
 # Seconds a request may go without progress (a round, a prefill chunk) before its stream fails
 # and the engine reports itself unhealthy.
@@ -77,19 +78,25 @@ class Request:
         _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, whole=True)
         if self.seed is not None:
             _in_range("seed", self.seed, 0, 2**63 - 1, whole=True)
-        if not all(isinstance(s, str) for s in self.stop_strings):
-            raise EngineError("stop strings must be text")
+        if len(self.stop_strings) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in self.stop_strings
+        ):
+            raise EngineError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
         check_messages(self.messages)
 
 
 def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
-    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``)."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``); a whole
+    number must be an int (a float would reach numpy and the sampler as a float)."""
+    number = int if whole else int | float
+    if isinstance(value, number) and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value)):
         above = value > low if low_open else value >= low
-        if above and value <= high and (not whole or value == int(value)):
+        if above and value <= high:
             return
     kind = "a whole number" if whole else "a number"
-    raise EngineError(f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r}")
+    raise EngineError(
+        f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r:.40}"
+    )
 
 
 @dataclass
@@ -201,14 +208,20 @@ class Engine:
         self._progress_at = time.monotonic()
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self._busy = threading.Lock()
-        threading.Thread(target=self._work, name="engine-worker", daemon=True).start()
+        self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
+        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+        self._worker.start()
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
             with self._busy:
-                job()
+                self._progress_at = time.monotonic()
+                try:
+                    job()
+                except BaseException:  # a job's own handler failed too: log it, keep serving
+                    log.exception("an engine job failed outside its request's handling")
 
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
         """Run ``fn(target, draft)`` on the worker thread, after the queued work, and return its
@@ -228,7 +241,8 @@ class Engine:
     def healthy(self) -> bool:
         """False while a request has made no progress for longer than ``step_timeout``: a stuck
         inference call (the worker recovers, and with it the health, when the call returns)."""
-        return not (self._busy.locked() and time.monotonic() - self._progress_at > self.step_timeout)
+        stuck = self._busy.locked() and time.monotonic() - self._progress_at > self.step_timeout
+        return self._worker.is_alive() and not stuck
 
     @property
     def pending(self) -> int:
@@ -256,7 +270,8 @@ class Engine:
                     f"{self.max_input_tokens:,} tokens of input (about {self.max_input_tokens * 4:,} characters). "
                     "Shorten the message or clear the chat."
                 )
-            ids = chat.prompt_ids(self.tokenizer, request.messages)
+            with self._tokenizing:
+                ids = chat.prompt_ids(self.tokenizer, request.messages)
         if len(ids) > self.max_input_tokens:
             raise EngineError(
                 f"the conversation is {len(ids):,} tokens long; this server takes at most "
@@ -293,11 +308,10 @@ class Engine:
         out: list[int] = []
 
         def progress(event: Event) -> None:
-            self._progress_at = time.monotonic()
+            self._mark_progress()
             events.put(event)
 
         try:
-            self._progress_at = time.monotonic()
             if not request.reuse_cache:
                 self.reset()
                 stats.start = time.perf_counter()
@@ -342,7 +356,11 @@ class Engine:
             sampling,
             self.stop_ids,
             cancelled=cancel.is_set,
+            progress=self._mark_progress,
         )
+
+    def _mark_progress(self) -> None:
+        self._progress_at = time.monotonic()
 
     def reset(self) -> None:
         """Empty both KV caches (worker thread only)."""
