@@ -320,7 +320,7 @@ def test_generation_stops_at_the_context_limit(pair, tok):
 
 def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, ir_target):
     prompt, prefix = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(" return a")
-    steps = Runtime(ir_target, config=EXACT_CONFIG)
+    steps = Runtime(ir_target, config=EXACT_CONFIG, first_token_alone=True)  # as the engine's target
     logits = steps.forward(prompt)[-1]
     for token in prefix:
         logits = steps.forward([token])[-1]

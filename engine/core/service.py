@@ -267,7 +267,8 @@ class Engine:
             if characters > self.max_input_tokens * MAX_CHARS_PER_TOKEN:
                 raise EngineError(
                     f"the conversation is {characters:,} characters long; this server takes at most "
-                    f"{self.max_input_tokens:,} tokens of input (about {self.max_input_tokens * 4:,} characters). "
+                    f"{self.max_input_tokens:,} tokens of input (about {self.max_input_tokens * 4:,} characters; the "
+                    f"model's context holds {self.max_context:,} tokens). "
                     "Shorten the message or clear the chat."
                 )
             with self._tokenizing:
