@@ -79,6 +79,11 @@ def _whole(value):
     return int(value) if _finite(value) and value == int(value) else value
 
 
+def clipped(text: str, keep: int = 2000) -> str:
+    """A refused message as the chat shows it: its start, and how long it was."""
+    return text if len(text) <= keep else f"{text[:keep]}… ({len(text):,} characters in all)"
+
+
 def conversation(turns: list[dict]) -> list[dict]:
     """What the model sees: the plain text of every turn that did not fail."""
     return [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]
@@ -235,6 +240,7 @@ def stream_answer(engine, turns, colour, settings, box):
         for event in events:
             if event.kind == "error":
                 answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
+                turns[-2]["content"] = clipped(turns[-2]["content"])  # a refused paste is not drawn whole
                 gr.Warning(event.error)
             else:
                 answer["content"] += event.text
