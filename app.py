@@ -46,6 +46,8 @@ API_KEY_ENV = "SPECCHAT_API_KEY"
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # the engine orders the requests itself
 PAPER_LENGTHS = (40, 100)
 PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
+# A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
+HEARTBEAT_S = 0.5
 LEGEND = {
     "draft": "accepted draft token",
     "target": "target correction",
@@ -237,7 +239,10 @@ def stream_answer(engine, turns, colour, settings, box):
         if (ahead := engine.pending - 1) > 0:
             waiting = f'<div class="metrics empty">Waiting for the engine: {ahead} ahead.</div>'
             yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip()
-        for event in events:
+        for event in events.waiting(HEARTBEAT_S):
+            if event is None:  # nothing new: yield anyway, so that Stop can take effect now
+                yield (gr.skip(),) * 6
+                continue
             if event.kind == "error":
                 answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
                 turns[-2]["content"] = clipped(turns[-2]["content"])  # a refused paste is not drawn whole
@@ -353,7 +358,10 @@ def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
     for side, request in requests.items():
         events = engine.generate(request)
         try:
-            for event in events:
+            for event in events.waiting(HEARTBEAT_S):
+                if event is None:
+                    yield (gr.skip(),) * 6
+                    continue
                 if event.kind == "error":
                     gr.Warning(event.error)
                     texts[side] = f"⚠️ **Could not answer:** {event.error}"
@@ -381,7 +389,10 @@ def paper_table(engine, prompt, k):
             request = Request(messages, mode=mode, k=_whole(k), max_new_tokens=n, temperature=0.0, reuse_cache=False)
             events = engine.generate(request)
             try:
-                for event in events:
+                for event in events.waiting(HEARTBEAT_S):
+                    if event is None:
+                        yield gr.skip()
+                        continue
                     if event.kind == "error":
                         gr.Warning(event.error)
                         yield table_markdown(rows, f"⚠️ {event.error}")

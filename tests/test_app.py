@@ -16,6 +16,7 @@ from gradio_client.exceptions import AppError
 
 import app
 from engine.tools import chaos
+from tests.test_decoding import idle, slowed
 
 GREEDY = {
     "colour": False,
@@ -167,15 +168,24 @@ class SlowEngine:
         return self.engine.pending
 
     def generate(self, request):
-        events = self.engine.generate(request)
-        try:
-            for event in events:
-                time.sleep(self.delay)
-                self.final_read = event.final
-                yield event
-        finally:
-            events.close()
-            self.closed.set()
+        return SlowStream(self, self.engine.generate(request))
+
+
+class SlowStream:
+    """An engine stream whose events each arrive ``delay`` late."""
+
+    def __init__(self, engine: SlowEngine, stream):
+        self.engine, self.stream = engine, stream
+
+    def waiting(self, every: float):
+        for event in self.stream.waiting(every):
+            time.sleep(self.engine.delay)
+            self.engine.final_read = event is not None and event.final
+            yield event
+
+    def close(self) -> None:
+        self.stream.close()
+        self.engine.closed.set()
 
 
 # -- many users -------------------------------------------------------------------------------
@@ -365,3 +375,20 @@ def test_a_lone_surrogate_is_refused_through_the_rest_api(url):
         url, "respond", '{"data": ["broken \\ud800 text", [], ' + json.dumps(list(GREEDY.values()))[1:] + "}"
     )
     assert "surrogate" in text(final[1][-1])
+
+
+def test_stop_takes_effect_while_the_engine_is_still_busy(engine, monkeypatch):
+    """A handler waiting for the engine (queued, or during a long prefill) yields every half second,
+    so Stop does not wait for the engine's next event."""
+    demo, url = serve(engine)
+    try:
+        slowed(monkeypatch, engine.target, 2.0)  # the first update would take about 6 s
+        job = Client(url, verbose=False).submit("def add(a, b):", *GREEDY.values(), api_name="/respond")
+        time.sleep(1.0)
+        start = time.monotonic()
+        job.cancel()
+        assert time.monotonic() - start < 2.0
+        monkeypatch.undo()
+        assert idle(engine, within_s=10)
+    finally:
+        demo.close()

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,16 +137,27 @@ class Stream:
     def __next__(self) -> Event:
         if self._ended:
             raise StopIteration
-        while True:
-            try:
-                event = self._events.get(timeout=self.step_timeout)
-                break
-            except queue.Empty:
-                if not self._healthy():
-                    self.cancel()
-                    error = f"the engine did not answer within {self.step_timeout:g} s; try again later"
-                    event = Event("error", error=error)
-                    break
+        while (event := self._poll(self.step_timeout)) is None:
+            pass
+        return event
+
+    def waiting(self, every: float) -> Iterator[Event | None]:
+        """The events, with a None after every ``every`` seconds without one: a caller that must
+        stay responsive while the engine serves others or prefills (a web handler, which can only
+        be stopped between yields) yields at each None."""
+        while not self._ended:
+            yield self._poll(every)
+
+    def _poll(self, seconds: float) -> Event | None:
+        """The next event, or None after ``seconds`` without one; an error event once the engine
+        is unhealthy (no progress on any request for ``step_timeout``)."""
+        try:
+            event = self._events.get(timeout=seconds)
+        except queue.Empty:
+            if self._healthy():
+                return None
+            self.cancel()
+            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
         self._ended = event.final
         return event
 
