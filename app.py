@@ -34,7 +34,7 @@ from fastapi import APIRouter
 
 from engine.api.openai import build_router
 from engine.core.modes import MODES
-from engine.core.service import Engine, Request
+from engine.core.service import Engine, Loading, Request
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.tools import paper
@@ -274,6 +274,21 @@ def clear_chat():
     return "", [], [], metrics_html({}), {}, None
 
 
+def status_html(state: str) -> str:
+    """A banner while the models are prepared (or could not be); nothing once they serve."""
+    if state == "ok":
+        return ""
+    kind, _, detail = state.partition(": ")
+    icon = {"loading": "⏳ Preparing the models", "failed": "⚠️ The models could not be prepared"}.get(kind, "⚠️ Busy")
+    return f'<div class="status status-{html.escape(kind)}">{icon}: {html.escape(detail or state)}</div>'
+
+
+def refresh_status(engine):
+    """The banner's next state; the timer stops once the models serve."""
+    state = engine.state
+    return status_html(state), gr.Timer(active=state.startswith("loading"))
+
+
 def draft_length_for(mode):
     """K only matters where tokens are drafted."""
     return gr.update(interactive=mode != "autoregressive")
@@ -431,6 +446,11 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
         title="SpecChat · speculative decoding on CPU", analytics_enabled=False, fill_height=True, fill_width=True
     ) as demo:
         turns = gr.State([])
+        status = gr.HTML(status_html(engine.state), elem_id="status")
+        status_timer = gr.Timer(1.0, active=engine.state != "ok")
+        status_timer.tick(
+            partial(refresh_status, engine), None, [status, status_timer], queue=False, api_visibility="private"
+        )
 
         with gr.Sidebar(width=360, label="Settings"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
@@ -684,15 +704,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_engine(args: argparse.Namespace) -> tuple[Engine, APIRouter]:
-    """Prepare the models (converting them on first use), load them once, and the API over them."""
+def start_engine(args: argparse.Namespace) -> Engine:
+    """Prepare the models (converting them on first use) and load them, once."""
     target, draft = prepare_from_args(args)
-    print(f"loading and warming up the models on {args.device}…", file=sys.stderr, flush=True)
-    engine = Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
-    models = {
-        role: {"source": m.source, "precision": m.precision} for role, m in (("target", target), ("draft", draft))
-    }
-    return engine, build_router(engine, target.source, models, args.api_key)
+    logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
+    return Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -704,11 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        engine, api = start_engine(args)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
+    models = {
+        role: {"source": getattr(args, role), "precision": getattr(args, f"{role}_precision")}
+        for role in ("target", "draft")
+    }
+    api = build_router(engine, args.target, models, args.api_key)
     try:
         launch(build_app(engine), args.host, args.port, args.share, auth, api=api, api_key=args.api_key)
     except OSError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import socket
 import threading
 import time
@@ -15,6 +16,9 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
+from engine.api.openai import build_router
+from engine.core.service import Loading
+from engine.errors import PrepareError
 from engine.tools import chaos
 from tests.test_decoding import idle, slowed
 
@@ -166,6 +170,10 @@ class SlowEngine:
     @property
     def pending(self) -> int:
         return self.engine.pending
+
+    @property
+    def state(self) -> str:
+        return self.engine.state
 
     def generate(self, request):
         return SlowStream(self, self.engine.generate(request))
@@ -390,5 +398,52 @@ def test_stop_takes_effect_while_the_engine_is_still_busy(engine, monkeypatch):
         assert time.monotonic() - start < 2.0
         monkeypatch.undo()
         assert idle(engine, within_s=10)
+    finally:
+        demo.close()
+
+
+def test_the_server_listens_at_once_and_says_so_until_the_models_are_ready(engine):
+    """A first start: the page, the chat and /health answer while the models are prepared."""
+    ready = threading.Event()
+
+    def load():
+        logging.getLogger("specchat.prepare").info("dequantizing the target")
+        ready.wait(30)
+        return engine
+
+    loading = Loading(load, engine.modes)
+    demo = app.build_app(loading)
+    url = app.launch(demo, port=free_port(), block=False, api=build_router(loading, "tiny", {}, None))
+    try:
+        health = httpx.get(f"{url}health")
+        assert health.status_code == 503 and health.json()["status"] == "loading: dequantizing the target"
+        early = last_answer(ask(Client(url, verbose=False), "def add(a, b):").outputs()[-1])
+        assert "still being prepared (dequantizing the target)" in early
+        ready.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}health").json()["status"] == "ok"
+        answer = ask(Client(url, verbose=False), "def add(a, b):").outputs()[-1]
+        assert answer[3]["new_tokens"] > 0 and "Could not answer" not in last_answer(answer)
+    finally:
+        ready.set()
+        demo.close()
+
+
+def test_a_failed_preparation_is_shown_and_the_server_stays_up(engine):
+    def load():
+        raise PrepareError("not enough free disk in /cache: 0.1 GiB free")
+
+    loading = Loading(load, engine.modes)
+    demo = app.build_app(loading)
+    url = app.launch(demo, port=free_port(), block=False, api=build_router(loading, "tiny", {}, None))
+    try:
+        deadline = time.monotonic() + 5
+        while loading.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(f"{url}health")
+        assert health.status_code == 503 and health.json()["status"].startswith("failed: not enough free disk")
+        assert app.status_html(loading.state).startswith('<div class="status status-failed">')
     finally:
         demo.close()

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.core.service import Engine, Event, Stream
+from engine.core.service import Engine, Event, Loading, Stream
 from engine.core.service import Request as EngineRequest
 from engine.errors import EngineError
 
@@ -96,7 +96,7 @@ def usage(metrics: dict) -> dict[str, Any]:
     }
 
 
-def build_router(engine: Engine, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
+def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
     """The API's routes over ``engine``; ``models`` describes the pair for ``/health``."""
     router = APIRouter()
 
@@ -107,16 +107,15 @@ def build_router(engine: Engine, model_id: str, models: dict[str, Any], api_key:
             if not secrets.compare_digest(given.encode(), api_key.encode()):
                 return error(401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_request_error")
         if not engine.healthy:
-            return error(503, "the engine is not making progress; try again later", "server_error")
+            return error(503, f"the engine is not ready ({engine.state}); try again later", "server_error")
         if engine.pending >= MAX_QUEUE:
             return error(429, f"{engine.pending} requests are waiting; try again shortly", "rate_limit_error")
         return None
 
     @router.get("/health")
     def health() -> JSONResponse:
-        healthy = engine.healthy
-        body = {"status": "ok" if healthy else "unhealthy", "models": models, "queue": engine.pending}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        body = {"status": engine.state, "models": models, "queue": engine.pending}
+        return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @router.get("/v1/models")
     def list_models(http: Request) -> JSONResponse:

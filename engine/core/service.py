@@ -131,6 +131,13 @@ class Stream:
         self.step_timeout = step_timeout
         self._healthy = healthy
 
+    @classmethod
+    def failed(cls, error: str, mode: str) -> Stream:
+        """A stream that ends at once with ``error`` (a request refused before it ran)."""
+        stream = cls(STEP_TIMEOUT, lambda: True)
+        stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
+        return stream
+
     def __iter__(self) -> Stream:
         return self
 
@@ -256,6 +263,11 @@ class Engine:
         return self._worker.is_alive() and not stuck
 
     @property
+    def state(self) -> str:
+        """One word for ``/health``."""
+        return "ok" if self.healthy else "unhealthy"
+
+    @property
     def pending(self) -> int:
         """Requests waiting for or using the engine."""
         return self._jobs.qsize() + (1 if self._busy.locked() else 0)
@@ -299,12 +311,11 @@ class Engine:
     def generate(self, request: Request) -> Stream:
         """Stream the events of one request (see :class:`Stream` for how to stop it). A request
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
-        stream = Stream(self.step_timeout, lambda: self.healthy)
         try:
             prompt = self.check(request)
         except EngineError as exc:
-            stream._events.put(Event("error", error=str(exc), metrics=Stats(request.mode).snapshot()))
-            return stream
+            return Stream.failed(str(exc), request.mode)
+        stream = Stream(self.step_timeout, lambda: self.healthy)
         self._jobs.put(lambda: self._run(request, prompt, stream._events, stream._cancel))
         return stream
 
@@ -392,3 +403,79 @@ def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
+
+
+class Loading:
+    """The engine while its models are prepared and loaded (in a thread), so that a server can
+    listen at once. Until the engine is ready every request ends at once with the preparation's
+    progress, and health says so; then everything goes to the engine.
+
+    ``load`` builds the engine; ``modes`` are the modes to offer meanwhile. Progress is the last
+    message logged under ``progress_logger`` (the preparation's own log)."""
+
+    CONTEXT_WHILE_LOADING = 2048  # what a form may offer before the model's context is known
+
+    def __init__(self, load: Callable[[], Engine], modes: Sequence[str], progress_logger: str = "specchat.prepare"):
+        self.engine: Engine | None = None
+        self.progress = "starting"
+        self.failure: str | None = None
+        self._modes = tuple(modes)
+        self._load = load
+        logging.getLogger(progress_logger).addHandler(_LastMessage(self))
+        threading.Thread(target=self._run, name="engine-loader", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except EngineError as exc:
+            self.failure = str(exc)
+            log.error("the models could not be prepared: %s", exc)
+        except Exception as exc:  # reported on the page and in the log; the server stays up
+            self.failure = f"{type(exc).__name__} (the server log has the details)"
+            log.exception("the models could not be loaded")
+
+    @property
+    def state(self) -> str:
+        if self.engine is not None:
+            return self.engine.state
+        return f"failed: {self.failure}" if self.failure else f"loading: {self.progress}"
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.healthy
+
+    @property
+    def pending(self) -> int:
+        return self.engine.pending if self.engine is not None else 0
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return self.engine.modes if self.engine is not None else self._modes
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context if self.engine is not None else self.CONTEXT_WHILE_LOADING
+
+    def check(self, request: Request) -> list[int]:
+        if self.engine is None:
+            raise EngineError(self._not_ready())
+        return self.engine.check(request)
+
+    def generate(self, request: Request) -> Stream:
+        if self.engine is None:
+            return Stream.failed(self._not_ready(), request.mode)
+        return self.engine.generate(request)
+
+    def _not_ready(self) -> str:
+        if self.failure:
+            return f"the models could not be prepared: {self.failure}"
+        return f"the models are still being prepared ({self.progress}); try again in a minute"
+
+
+class _LastMessage(logging.Handler):
+    def __init__(self, loading: Loading):
+        super().__init__(logging.INFO)
+        self.loading = loading
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.loading.progress = record.getMessage()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -46,7 +47,23 @@ class PreparedModel:
 
 
 def log(message: str) -> None:
-    print(f"[prepare] {message}", file=sys.stderr, flush=True)
+    """A line of progress: on stderr, and to whoever listens to the ``specchat.prepare`` log (the
+    app's page while it starts)."""
+    _logger.info(message)
+
+
+def _stderr_logger() -> logging.Logger:
+    logger = logging.getLogger("specchat.prepare")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[prepare] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # printed once, whatever the app's own logging does
+    return logger
+
+
+_logger = _stderr_logger()
 
 
 def library_versions() -> dict[str, str]:

@@ -233,7 +233,7 @@ def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[st
             if process.poll() is not None:
                 raise EngineError(f"the app exited with {process.returncode} before serving")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2).status_code == 200:
+                if httpx.get(f"{url}health", timeout=2).status_code == 200:  # listening, and the models ready
                     break
             time.sleep(1)
         else:
