@@ -690,8 +690,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_model_arguments(parser)
     parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+        help="address to listen on (0.0.0.0: every interface; default: $GRADIO_SERVER_NAME or loopback)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        help="default: $GRADIO_SERVER_PORT or 7860",
+    )
     parser.add_argument("--share", action="store_true", help="also ask Gradio for a public link")
     parser.add_argument("--auth", metavar="USER:PASS", help=f"require a login (default: ${AUTH_ENV})")
     parser.add_argument("--api-key", help=f"the key /v1 needs as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")

@@ -447,3 +447,12 @@ def test_a_failed_preparation_is_shown_and_the_server_stays_up(engine):
         assert app.status_html(loading.state).startswith('<div class="status status-failed">')
     finally:
         demo.close()
+
+
+def test_flags_fall_back_to_the_environment(monkeypatch):
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "7861")
+    monkeypatch.setenv("SPECCHAT_TARGET", "/models/target.gguf")
+    args = app.parse_args([])
+    assert (args.host, args.port, args.target) == ("0.0.0.0", 7861, "/models/target.gguf")
+    assert app.parse_args(["--host", "127.0.0.1"]).host == "127.0.0.1"

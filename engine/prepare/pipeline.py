@@ -260,10 +260,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model flags shared by prepare, bench and the app."""
     parser.add_argument(
         "--target",
-        default=embedded.DEFAULT_TARGET,
+        default=os.environ.get("SPECCHAT_TARGET", embedded.DEFAULT_TARGET),
         help="target model: embedded name, GGUF file, HF folder, hub id or OpenVINO IR folder",
     )
-    parser.add_argument("--draft", default=embedded.DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
+    parser.add_argument(
+        "--draft",
+        default=os.environ.get("SPECCHAT_DRAFT", embedded.DEFAULT_DRAFT),
+        help="draft model, same tokenizer as the target (default: $SPECCHAT_DRAFT or the embedded one)",
+    )
     parser.add_argument("--target-precision", default="int4", choices=PRECISIONS)
     parser.add_argument("--draft-precision", default="int4", choices=PRECISIONS)
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
