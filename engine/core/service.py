@@ -421,7 +421,9 @@ class Loading:
         self.failure: str | None = None
         self._modes = tuple(modes)
         self._load = load
-        logging.getLogger(progress_logger).addHandler(_LastMessage(self))
+        self._progress_log = logging.getLogger(progress_logger)
+        self._listener = _LastMessage(self)
+        self._progress_log.addHandler(self._listener)
         threading.Thread(target=self._run, name="engine-loader", daemon=True).start()
 
     def _run(self) -> None:
@@ -433,6 +435,8 @@ class Loading:
         except Exception as exc:  # reported on the page and in the log; the server stays up
             self.failure = f"{type(exc).__name__} (the server log has the details)"
             log.exception("the models could not be loaded")
+        finally:
+            self._progress_log.removeHandler(self._listener)
 
     @property
     def state(self) -> str:
