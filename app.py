@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import html
 import io
-import ipaddress
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ import pandas as pd
 from fastapi import APIRouter
 
 from engine.api.openai import build_router
+from engine.cli import is_loopback
 from engine.core.modes import MODES
 from engine.core.service import Engine, Loading, Request
 from engine.errors import EngineError
@@ -659,20 +659,13 @@ def launch(
 
 def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None, keyed: bool = False) -> list[str]:
     """What an operator should hear before strangers can reach the app or its API without a login."""
-    if _loopback(host) and not share:
+    if is_loopback(host) and not share:
         return []
     reach = "a public share link" if share else f"the address {host}"
     said = [] if auth else [f"{reach} serves the app without a login: pass --auth USER:PASS (or ${AUTH_ENV})"]
-    if not keyed and not _loopback(host):
+    if not keyed and not is_loopback(host):
         said.append(f"the address {host} serves the API (/v1) without a key: pass --api-key KEY (or ${API_KEY_ENV})")
     return said
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def parse_auth(text: str | None) -> tuple[str, str] | None:

@@ -1,7 +1,9 @@
-"""What every command-line entry point shares: a user-facing error is one line, not a traceback."""
+"""What the command-line entry points share: a user-facing error is one line, not a traceback;
+whether an address stays on this machine."""
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from collections.abc import Callable
 
@@ -16,3 +18,11 @@ def run_cli(command: Callable[[], object]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") stays on this machine."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

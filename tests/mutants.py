@@ -56,8 +56,8 @@ MUTATIONS = [
     Mutation(
         "prefill not cancellable",
         "engine/core/decoding.py",
-        "            if config.cancelled():\n                return False",
-        "            if False:\n                return False",
+        "        if config.cancelled():\n            return False",
+        "        if False:\n            return False",
         "Stop during a long prompt waits for the whole prefill",
         "tests/test_hardening.py",
     ),

@@ -64,12 +64,7 @@ def ask(client, message, **settings):
     return job
 
 
-def text(message: dict) -> str:
-    return "".join(part["text"] for part in message["content"] if part.get("type") == "text")
-
-
-def last_answer(output) -> str:
-    return text(output[1][-1])
+text, last_answer = chaos.message_text, chaos.last_text  # one message's text, the last answer's
 
 
 # -- streaming and metrics --------------------------------------------------------------------
@@ -293,26 +288,16 @@ def test_a_non_finite_setting_gets_a_clear_message_and_the_next_answer_is_normal
     reference = last_answer(ask(client, "class Stack:").outputs()[-1])
     values = [json.dumps(v) for v in {**GREEDY, setting: None}.values()]
     body = "[" + ", ".join(['"def add(a, b):"', "[]", *values]).replace("null", "NaN")
-    final = raw_call(url, "respond", '{"data": ' + body + "]}")
+    final = chaos.raw_call(url, "respond", '{"data": ' + body + "]}")
     failed = text(final[1][-1])
     assert "Could not answer" in failed and f"{setting} must be" in failed
     assert last_answer(ask(Client(url, verbose=False), "class Stack:").outputs()[-1]) == reference
 
 
-def raw_call(url: str, api_name: str, body: str) -> list:
-    """Call an endpoint over Gradio's REST API with a hand-written JSON body; return its last output."""
-    event = httpx.post(
-        f"{url}gradio_api/call/{api_name}", content=body, headers={"content-type": "application/json"}
-    ).json()["event_id"]
-    stream = httpx.get(f"{url}gradio_api/call/{api_name}/{event}", timeout=60).text
-    data = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: ")]
-    return json.loads(data[-1])
-
-
 def test_compare_with_a_bad_setting_fails_before_running_anything(url, client):
     with pytest.raises(AppError, match="not in the list of choices"):  # Gradio itself refuses an unknown mode
         client.predict("def add(a, b):", "warp-speed", 4, 0.0, 1.0, 48, -1, api_name="/compare")
-    ar_text, sd_text, *_ = raw_call(url, "compare", '{"data": ["def add(a, b):", "hybrid", NaN, 0, 1, 48, -1]}')
+    ar_text, sd_text, *_ = chaos.raw_call(url, "compare", '{"data": ["def add(a, b):", "hybrid", NaN, 0, 1, 48, -1]}')
     assert ar_text == "" and "k must be a whole number" in sd_text
 
 
@@ -350,7 +335,7 @@ def test_uploads_over_a_megabyte_are_refused(url):
 def test_a_megabyte_message_is_refused_at_once_with_its_length(url, client):
     reference = last_answer(ask(client, "class Stack:").outputs()[-1])
     start = time.monotonic()
-    final = raw_call(url, "respond", json.dumps({"data": ["x" * 2**20, [], *GREEDY.values()]}))
+    final = chaos.raw_call(url, "respond", json.dumps({"data": ["x" * 2**20, [], *GREEDY.values()]}))
     assert "1,048,576 characters" in text(final[1][-1]) and time.monotonic() - start < 2
     assert last_answer(ask(Client(url, verbose=False), "class Stack:").outputs()[-1]) == reference
 
@@ -379,7 +364,7 @@ def test_an_inference_error_shows_a_request_id_and_the_next_answer_is_normal(cli
 
 
 def test_a_lone_surrogate_is_refused_through_the_rest_api(url):
-    final = raw_call(
+    final = chaos.raw_call(
         url, "respond", '{"data": ["broken \\ud800 text", [], ' + json.dumps(list(GREEDY.values()))[1:] + "}"
     )
     assert "surrogate" in text(final[1][-1])

@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.core.service import Engine, Event, Loading, Stream
 from engine.core.service import Request as EngineRequest
-from engine.errors import EngineError
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -146,12 +145,9 @@ def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any]
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return error(400, f"{where}: {first['msg']}", "invalid_request_error", where)
-        request = asked.engine_request(engine.max_context)
-        try:
-            engine.check(request)
-        except EngineError as exc:
-            return error(400, str(exc), "invalid_request_error")
-        stream = engine.generate(request)
+        stream = engine.generate(asked.engine_request(engine.max_context))
+        if stream.refusal:  # checked (and tokenized) once, by the engine
+            return error(400, stream.refusal, "invalid_request_error")
         completion = f"chatcmpl-{uuid.uuid4().hex}"
         if asked.stream:
             include_usage = bool(asked.stream_options and asked.stream_options.include_usage)
@@ -159,6 +155,22 @@ def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any]
         return whole(completion, model_id, stream)
 
     return router
+
+
+def envelope(completion: str, model_id: str, kind: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    """What every completion body and chunk carries around its choices."""
+    return {
+        "id": completion,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_id,
+        "choices": choices,
+        **extra,
+    }
+
+
+def finish_reason(metrics: dict) -> str:
+    return FINISH_REASONS.get(metrics["finish_reason"], "stop")
 
 
 def whole(completion: str, model_id: str, stream: Stream) -> JSONResponse:
@@ -172,41 +184,26 @@ def whole(completion: str, model_id: str, stream: Stream) -> JSONResponse:
         stream.close()
     if final.kind == "error":
         return error(503, final.error, "server_error")
-    return JSONResponse(
-        {
-            "id": completion,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_id,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": FINISH_REASONS.get(final.metrics["finish_reason"], "stop"),
-                }
-            ],
-            "usage": usage(final.metrics),
-        }
-    )
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish_reason(final.metrics),
+    }
+    return JSONResponse(envelope(completion, model_id, "chat.completion", [choice], usage=usage(final.metrics)))
 
 
 def sse(completion: str, model_id: str, stream: Stream, include_usage: bool) -> Iterator[str]:
     """Server-sent events: a role chunk, a chunk per text delta, the finish reason, the usage
     (if asked), ``[DONE]``. A client that goes away closes the engine stream, which cancels it."""
 
-    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-        body = {
-            "id": completion,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model_id,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            **extra,
-        }
-        return f"data: {json.dumps(body)}\n\n"
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        return f"data: {json.dumps(envelope(completion, model_id, 'chat.completion.chunk', choices, **extra))}\n\n"
+
+    def delta(content: dict, finish: str | None = None) -> str:
+        return chunk([{"index": 0, "delta": content, "finish_reason": finish}])
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        yield delta({"role": "assistant", "content": ""})
         final = Event("error", error="no answer")
         for event in stream:
             final = event
@@ -214,19 +211,11 @@ def sse(completion: str, model_id: str, stream: Stream, include_usage: bool) -> 
                 yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
                 break
             if event.text:
-                yield chunk({"content": event.text})
+                yield delta({"content": event.text})
         else:
-            yield chunk({}, FINISH_REASONS.get(final.metrics["finish_reason"], "stop"))
+            yield delta({}, finish_reason(final.metrics))
             if include_usage:
-                body = {
-                    "id": completion,
-                    "object": "chat.completion.chunk",
-                    "created": int(time.time()),
-                    "model": model_id,
-                    "choices": [],
-                    "usage": usage(final.metrics),
-                }
-                yield f"data: {json.dumps(body)}\n\n"
+                yield chunk([], usage=usage(final.metrics))
         yield "data: [DONE]\n\n"
     finally:
         stream.close()

@@ -68,7 +68,11 @@ def decode(
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
-    if not _passes(target.feed(context, PREFILL_CHUNK), config, stats, "target"):
+    start, passes = time.perf_counter(), target.passes
+    prefilled = _until_cancelled(target.feed(context, PREFILL_CHUNK), config)
+    stats.target_seconds += time.perf_counter() - start
+    stats.target_passes += target.passes - passes
+    if not prefilled:
         stats.finish_reason = "cancelled"
         return
     while stats.new_tokens < config.max_new_tokens:
@@ -76,14 +80,16 @@ def decode(
         if room <= 0:
             stats.finish_reason = "context"
             return
-        # The first round prefills the prompt alone, as autoregressive decoding does: a pass over
-        # many tokens may round differently from passes over a few, while a verify pass (up to 32
-        # tokens measured) computes each row exactly as single steps do (tests/test_runtime.py).
+        # The first round is a plain step over the prompt in every mode, so the target runs the
+        # same passes in every mode (docs/design.md, "Why greedy speculative output is exact").
         limit = min(config.max_new_tokens - stats.new_tokens - 1, room - 1)  # drafted tokens that fit
-        drafting = drafter if speculative and stats.rounds == 1 else None  # the draft's own long prefill
-        if drafting is not None and not _passes(drafting.catch_up(context, PREFILL_CHUNK), config, stats, "draft"):
-            stats.finish_reason = "cancelled"
-            return
+        if speculative and drafter is not None and stats.rounds == 1:  # the draft's own long prefill
+            start = time.perf_counter()
+            caught_up = _until_cancelled(drafter.catch_up(context, PREFILL_CHUNK), config)
+            stats.draft_seconds += time.perf_counter() - start
+            if not caught_up:
+                stats.finish_reason = "cancelled"
+                return
         round_ = (
             _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats)
             if drafter is not None and speculative and stats.rounds and limit > 0
@@ -108,23 +114,13 @@ def decode(
     stats.finish_reason = "length"
 
 
-def _passes(passes: Iterator[None], config: DecodeConfig, stats: Stats, model: str) -> bool:
-    """Run a model's prefill ``passes`` (a long prompt, in chunks), timed as that model's work;
-    between passes, report progress and stop if the request is cancelled (False)."""
-    start = time.perf_counter()
-    try:
-        for _ in passes:
-            config.progress()
-            if config.cancelled():
-                return False
-            if model == "target":
-                stats.target_passes += 1
-    finally:
-        seconds = time.perf_counter() - start
-        if model == "target":
-            stats.target_seconds += seconds
-        else:
-            stats.draft_seconds += seconds
+def _until_cancelled(passes: Iterator[None], config: DecodeConfig) -> bool:
+    """Run a prefill's ``passes`` (a long prompt, in chunks), reporting progress and checking for
+    a cancel between them: False if the request was cancelled."""
+    for _ in passes:
+        config.progress()
+        if config.cancelled():
+            return False
     return not config.cancelled()
 
 

@@ -130,11 +130,13 @@ class Stream:
         self._ended = False
         self.step_timeout = step_timeout
         self._healthy = healthy
+        self.refusal = ""  # why the request was refused before it ran (a bad field, too long, not ready)
 
     @classmethod
-    def failed(cls, error: str, mode: str) -> Stream:
-        """A stream that ends at once with ``error`` (a request refused before it ran)."""
+    def refused(cls, error: str, mode: str) -> Stream:
+        """A stream that ends at once with ``error``: the request was refused before it ran."""
         stream = cls(STEP_TIMEOUT, lambda: True)
+        stream.refusal = error
         stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
         return stream
 
@@ -288,21 +290,18 @@ class Engine:
                 raise EngineError("the message is empty: type something first")
             characters = sum(len(m["content"]) for m in request.messages)
             if characters > self.max_input_tokens * MAX_CHARS_PER_TOKEN:
-                raise EngineError(
-                    f"the conversation is {characters:,} characters long; this server takes at most "
-                    f"{self.max_input_tokens:,} tokens of input (about {self.max_input_tokens * 4:,} characters; the "
-                    f"model's context holds {self.max_context:,} tokens). "
-                    "Shorten the message or clear the chat."
-                )
+                raise self._too_long(f"{characters:,} characters")
             with self._tokenizing:
                 ids = chat.prompt_ids(self.tokenizer, request.messages)
         if len(ids) > self.max_input_tokens:
-            raise EngineError(
-                f"the conversation is {len(ids):,} tokens long; this server takes at most "
-                f"{self.max_input_tokens:,} tokens of input (the model's context holds {self.max_context:,}). "
-                "Shorten the message or clear the chat."
-            )
+            raise self._too_long(f"{len(ids):,} tokens")
         return ids
+
+    def _too_long(self, length: str) -> EngineError:
+        return EngineError(
+            f"the conversation is {length} long; this server takes at most {self.max_input_tokens:,} tokens of "
+            f"input (the model's context holds {self.max_context:,}). Shorten the message or clear the chat."
+        )
 
     def text(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens left out)."""
@@ -314,7 +313,7 @@ class Engine:
         try:
             prompt = self.check(request)
         except EngineError as exc:
-            return Stream.failed(str(exc), request.mode)
+            return Stream.refused(str(exc), request.mode)
         stream = Stream(self.step_timeout, lambda: self.healthy)
         self._jobs.put(lambda: self._run(request, prompt, stream._events, stream._cancel))
         return stream
@@ -467,7 +466,7 @@ class Loading:
 
     def generate(self, request: Request) -> Stream:
         if self.engine is None:
-            return Stream.failed(self._not_ready(), request.mode)
+            return Stream.refused(self._not_ready(), request.mode)
         return self.engine.generate(request)
 
     def _not_ready(self) -> str:

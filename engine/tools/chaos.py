@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import json
 import os
 import socket
@@ -28,7 +27,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from engine.cli import run_cli
+from engine.cli import is_loopback, run_cli
 from engine.errors import EngineError
 from engine.tools.bench import load_prompts
 from engine.tools.report import Column, markdown_table, write_text
@@ -64,12 +63,7 @@ class Tally:
 
 
 def require_loopback(url: str) -> None:
-    host = urlparse(url).hostname or ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    if not is_loopback(urlparse(url).hostname or ""):
         raise EngineError(f"{url}: the chaos run sends traffic to loopback addresses only")
 
 
@@ -79,12 +73,10 @@ def answer(url: str, message: str, max_new_tokens: int, timeout_s: float) -> tup
 
     start = time.monotonic()
     job = Client(url, verbose=False).submit(message, False, *GREEDY, max_new_tokens, -1, api_name="/respond")
-    output = job.result(timeout=timeout_s)
-    last = output[1][-1]
-    return "".join(p["text"] for p in last["content"] if p.get("type") == "text"), time.monotonic() - start
+    return last_text(job.result(timeout=timeout_s)), time.monotonic() - start
 
 
-def raw_call(url: str, api_name: str, body: str, timeout_s: float) -> list:
+def raw_call(url: str, api_name: str, body: str, timeout_s: float = 60) -> list:
     """An endpoint called over Gradio's REST API with a hand-written JSON body (NaN included),
     within ``timeout_s`` in all (its event stream's heartbeats do not extend it)."""
     deadline = time.monotonic() + timeout_s
@@ -104,9 +96,14 @@ def raw_call(url: str, api_name: str, body: str, timeout_s: float) -> list:
     return json.loads(data[-1]) if data and data[-1] != "null" else []
 
 
-def last_text(output: list) -> str:
-    message = output[1][-1] if output and output[1] else {"content": []}
+def message_text(message: dict) -> str:
+    """The text of one chat message as Gradio's API returns it."""
     return "".join(p["text"] for p in message["content"] if p.get("type") == "text")
+
+
+def last_text(output: list) -> str:
+    """The text of the last chat message in an output of the chat endpoint (empty if none)."""
+    return message_text(output[1][-1]) if output and output[1] else ""
 
 
 def nan_settings(url: str, n: int) -> tuple[bool, float]:
