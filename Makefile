@@ -8,12 +8,9 @@ ARGS ?=
 
 setup: $(VENV)/.installed
 
-# optimum-intel goes in with --no-deps: its metadata pulls torchvision, whose only build
-# on the registry is a CUDA one that breaks `import transformers` (see requirements.txt).
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps optimum-intel==2.2.0
 	touch $@
 
 prepare: setup

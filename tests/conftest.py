@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from engine.core.runtime import EXACT_CONFIG
+from engine.hf import hide_unloadable_torchvision
 from engine.prepare.convert import Compression
 from engine.prepare.pipeline import draft_compression, prepare_one
 from tests.tiny import build_model, build_tokenizer
 
 
 def pytest_configure(config):
+    hide_unloadable_torchvision()  # before any test imports transformers' model classes
     config.addinivalue_line("markers", "real: needs the prepared default model pair (slow)")
     config.addinivalue_line("markers", "browser: drives a real Chromium")
 

@@ -29,6 +29,7 @@ from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.textstream import IncrementalDecoder, StopStrings
 from engine.errors import EngineError
+from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
@@ -197,9 +198,8 @@ class Engine:
         without progress after which a stream fails and the engine reports itself unhealthy.
         The two models must share one
         vocabulary (``engine.prepare`` checks it)."""
-        from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.tokenizer = auto_tokenizer(target_dir)
         self.target = Runtime(
             Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
         )

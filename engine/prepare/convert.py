@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
+from engine.hf import hide_unloadable_torchvision
 
 PRECISIONS = ("int4", "int8", "fp16")
 
@@ -67,7 +68,7 @@ def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "optimum.commands.optimum_cli",
+        "engine.prepare.convert",
         "export",
         "openvino",
         "--model",
@@ -91,7 +92,19 @@ def _dequantize_main(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _export_main(args: list[str]) -> None:
+    """optimum-cli with the given arguments, in this process."""
+    from optimum.commands.optimum_cli import main as optimum_cli
+
+    sys.argv = ["optimum-cli", *args]
+    optimum_cli()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "dequantize":
-        sys.exit("usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR")
-    _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))
+    hide_unloadable_torchvision()
+    if len(sys.argv) == 4 and sys.argv[1] == "dequantize":
+        _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "export":
+        _export_main(sys.argv[1:])
+    else:
+        sys.exit("usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | export openvino ARGS...")

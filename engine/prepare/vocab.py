@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
+from engine.hf import auto_tokenizer
 from engine.prepare.sources import Kind, Source
 
 _PADDING = re.compile(r"\[PAD\d+\]")
@@ -42,10 +43,9 @@ def _gguf_tokens(path: Path) -> list[str]:
 
 
 def _hf_tokens(folder: Path) -> list[str]:
-    from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = auto_tokenizer(folder)
     except Exception as exc:  # transformers raises OSError, ValueError, ...
         raise PrepareError(f"{folder}: cannot load its tokenizer ({exc})") from exc
     return tokenizer_tokens(tok)

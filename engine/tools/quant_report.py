@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.cli import run_cli
 from engine.core.runtime import Runtime
+from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, compression_from_args, prepare_one
 from engine.tools.report import Column, markdown_table
 
@@ -67,7 +68,6 @@ def compare(reference: Runtime, other: Runtime, sequences: list[list[int]]) -> d
 
 
 def run_report(args: argparse.Namespace) -> list[dict]:
-    from transformers import AutoTokenizer
 
     cache = cache_dir_from_args(args)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -75,7 +75,7 @@ def run_report(args: argparse.Namespace) -> list[dict]:
     for role, spec in (("target", args.target), ("draft", args.draft)):
         irs = {p: prepare_one(spec, compression_from_args(args, role, p), cache).path for p in ("fp16", "int8", "int4")}
         reference = Runtime(irs["fp16"], config={"INFERENCE_PRECISION_HINT": "f32"})
-        sequences = _sequences(reference, AutoTokenizer.from_pretrained(irs["fp16"]), prompts)
+        sequences = _sequences(reference, auto_tokenizer(irs["fp16"]), prompts)
         for precision in ("int8", "int4"):
             other = Runtime(irs[precision], config={"INFERENCE_PRECISION_HINT": "f32"})
             size = (irs[precision] / "openvino_model.bin").stat().st_size
