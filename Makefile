@@ -27,9 +27,9 @@ chromium:
 test: setup lint chromium prepare
 	$(PY) -m pytest -q
 
-# Tiny models only (no real pair, no browser).
+# Tiny models only (no real pair, no browser, no fresh install).
 test-fast: setup
-	$(PY) -m pytest -q -m "not real and not browser"
+	$(PY) -m pytest -q -m "not real and not browser and not install"
 
 # ruff (lint and format), mypy and the import-linter contracts, all configured in pyproject.toml.
 lint: setup

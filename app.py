@@ -1,6 +1,7 @@
 """SpecChat: a chat web app over the speculative-decoding engine.
 
-``python app.py [--target SPEC] [--draft SPEC] [--host H] [--port N] [--share] [--auth USER:PASS]``
+``python app.py [--target SPEC] [--draft SPEC] [--host H] [--port N] [--share] [--auth USER:PASS]``,
+or ``specchat serve ...`` once installed (``pip install .``; ``specchat --help`` lists the tools).
 
 One file, read top to bottom: rendering helpers, the handlers (small functions that
 stream by ``yield``), the layout and its event wiring in ``build_app``, then the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import html
+import importlib
 import io
 import json
 import logging
@@ -32,7 +34,7 @@ import pandas as pd
 from fastapi import APIRouter
 
 from engine.api.openai import build_router
-from engine.cli import is_loopback
+from engine.cli import ASSETS, is_loopback
 from engine.core.modes import MODES
 from engine.core.service import Engine, Loading, Request
 from engine.errors import EngineError
@@ -40,7 +42,6 @@ from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.tools import paper
 from engine.tools.report import markdown_table, speedup
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 AUTH_ENV = "SPECCHAT_AUTH"
 API_KEY_ENV = "SPECCHAT_API_KEY"
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # the engine orders the requests itself
@@ -678,9 +679,7 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python app.py", description="Chat with an LLM on CPU, sped up by speculative decoding (OpenVINO)."
-    )
+    parser = argparse.ArgumentParser(description="Chat with an LLM on CPU, sped up by speculative decoding (OpenVINO).")
     add_model_arguments(parser)
     parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
     parser.add_argument(
@@ -736,6 +735,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+# `specchat COMMAND`: the app, and the tools as they run with `python -m MODULE`.
+COMMANDS = {
+    "serve": ("app", "the chat app, its OpenAI-compatible API and /health on one port"),
+    "prepare": ("engine.prepare.pipeline", "fetch and convert the models (the first start does it too)"),
+    "bench": ("engine.tools.bench", "tokens/s of our modes and the peers on a prompt set, as a table"),
+    "chaos": ("engine.tools.chaos", "normal and misbehaving users against the app, on loopback"),
+    "ceiling": ("engine.tools.ceiling", "the speedup a clairvoyant drafter would reach, from measured costs"),
+    "paper": ("engine.tools.paper", "the paper's table (arXiv 2311.04951) on this machine"),
+    "llama-cpp": ("engine.tools.llamacpp", "build llama.cpp's server, the peer of the benchmarks"),
+    "quant-report": ("engine.tools.quant_report", "how far int8 and int4 move the logits from fp16"),
+}
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The installed ``specchat`` command: ``specchat COMMAND [ARGS]``, ARGS as the command's own ``--help``."""
+    parser = argparse.ArgumentParser(
+        prog="specchat",
+        description="An LLM chat on CPU, sped up by speculative decoding (OpenVINO).",
+        epilog="commands:\n" + "\n".join(f"  {name:<13} {what}" for name, (_, what) in COMMANDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own arguments")
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    sys.argv[0] = f"specchat {args.command}"  # the command's usage line names it so
+    return module.main(args.args)
 
 
 if __name__ == "__main__":

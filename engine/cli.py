@@ -1,13 +1,18 @@
 """What the command-line entry points share: a user-facing error is one line, not a traceback;
-whether an address stays on this machine."""
+whether an address stays on this machine; where the assets are (next to ``engine`` in a checkout
+and in an installed package alike)."""
 
 from __future__ import annotations
 
 import ipaddress
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from engine.errors import EngineError
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+CODING_PROMPTS = ASSETS / "prompts" / "coding.jsonl"
 
 
 def run_cli(command: Callable[[], object]) -> int:

@@ -18,6 +18,7 @@ def pytest_configure(config):
     hide_unloadable_torchvision()  # before any test imports transformers' model classes
     config.addinivalue_line("markers", "real: needs the prepared default model pair (slow)")
     config.addinivalue_line("markers", "browser: drives a real Chromium")
+    config.addinivalue_line("markers", "install: installs the app into a fresh venv (a few minutes)")
 
 
 @pytest.fixture(scope="session")

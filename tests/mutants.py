@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["-m", "not real and not browser"]
+FAST = ["-m", "not real and not browser and not install"]
 COPIED = ("app.py", "engine", "tests", "assets", "pytest.ini", "pyproject.toml")
 
 

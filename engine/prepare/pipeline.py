@@ -26,11 +26,16 @@ from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
 MANIFEST = "manifest.json"
+# A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
+PERSISTENT_STORAGE = Path("/data")
 
 
 def default_cache_dir() -> Path:
+    """$SPECCHAT_CACHE, else /data/specchat where a writable /data exists (a Space), else ~/.cache/specchat."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
+    if PERSISTENT_STORAGE.is_dir() and os.access(PERSISTENT_STORAGE, os.W_OK):
+        return PERSISTENT_STORAGE / "specchat"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "specchat"
 
@@ -268,8 +273,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SPECCHAT_DRAFT", embedded.DEFAULT_DRAFT),
         help="draft model, same tokenizer as the target (default: $SPECCHAT_DRAFT or the embedded one)",
     )
-    parser.add_argument("--target-precision", default="int4", choices=PRECISIONS)
-    parser.add_argument("--draft-precision", default="int4", choices=PRECISIONS)
+    for role in ("target", "draft"):
+        variable = f"SPECCHAT_{role.upper()}_PRECISION"
+        parser.add_argument(
+            f"--{role}-precision",
+            default=os.environ.get(variable, "int4"),
+            choices=PRECISIONS,
+            help=f"weights of the {role} (default: ${variable} or int4)",
+        )
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
     parser.add_argument(
@@ -278,7 +289,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="compress the target's embeddings and lm_head to int4 too (the draft's always are)",
     )
     parser.add_argument("--sym", action="store_true", help="symmetric int4/int8 weights (default asymmetric)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/specchat")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"default: ${CACHE_ENV}, else /data/specchat where /data is writable (a Space), else ~/.cache/specchat",
+    )
 
 
 def draft_compression(

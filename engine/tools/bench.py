@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.cli import CODING_PROMPTS
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.runtime import Runtime
 from engine.core.service import Engine, Request
@@ -76,7 +77,7 @@ class Run:
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
+    parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
 

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from engine.cli import is_loopback, run_cli
+from engine.cli import CODING_PROMPTS, is_loopback, run_cli
 from engine.errors import EngineError
 from engine.tools.bench import load_prompts
 from engine.tools.report import Column, markdown_table, write_text
@@ -244,7 +244,7 @@ def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running app (loopback only); default: start one")
-    parser.add_argument("--prompts", type=Path, default=Path("assets/prompts/coding.jsonl"))
+    parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
     parser.add_argument("--users", type=int, default=3, help="normal users")
     parser.add_argument("--rounds", type=int, default=3, help="requests per user")
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -12,15 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli import run_cli
+from engine.cli import ASSETS, run_cli
 from engine.core.service import Engine
 from engine.prepare.convert import Compression
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, draft_compression, prepare_one
 from engine.tools import report
 from engine.tools.bench import add_prompt_arguments, load_prompts, run_bench, summarize
 from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
-
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[dict]:

@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from engine.cli import run_cli
+from engine.cli import CODING_PROMPTS, run_cli
 from engine.core.runtime import Runtime
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, compression_from_args, prepare_one
 from engine.tools.report import Column, markdown_table
 
-PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "prompts" / "coding.jsonl"
 CONTINUATION = 48
 COLUMNS = [
     Column("model", "model"),
@@ -70,7 +68,7 @@ def compare(reference: Runtime, other: Runtime, sequences: list[list[int]]) -> d
 def run_report(args: argparse.Namespace) -> list[dict]:
 
     cache = cache_dir_from_args(args)
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line)["prompt"] for line in CODING_PROMPTS.read_text().splitlines() if line.strip()]
     rows = []
     for role, spec in (("target", args.target), ("draft", args.draft)):
         irs = {p: prepare_one(spec, compression_from_args(args, role, p), cache).path for p in ("fp16", "int8", "int4")}

@@ -1,0 +1,221 @@
+"""An OpenAI-compatible chat API over the engine, for editors and tools (Continue, aider, Open
+WebUI, the ``openai`` client): ``POST /v1/chat/completions`` (streamed as server-sent events or
+not), ``GET /v1/models`` and ``GET /health``.
+
+Requests go through the same engine queue as the web UI. Errors come in OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``) with the HTTP status a client expects:
+400 for a bad field, 401 for a wrong key, 429 when the queue is full, 503 when the engine is
+unhealthy. Two extensions pick the decoding: ``mode`` and ``k``; ``usage`` carries the
+speculative figures as well.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.core.service import Engine, Event, Loading, Stream
+from engine.core.service import Request as EngineRequest
+
+# OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+MAX_QUEUE = 16  # requests waiting for or using the engine before new ones get 429
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletion(BaseModel):
+    """The fields of OpenAI's chat completion request that apply here, and two extensions."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: list[Message] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    mode: str = "best"  # extension: the decoding mode
+    k: int = 4  # extension: the draft length where the mode takes one
+
+    def engine_request(self, max_context: int) -> EngineRequest:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return EngineRequest(
+            messages=tuple(m.model_dump() for m in self.messages),
+            mode=self.mode,
+            k=self.k,
+            max_new_tokens=self.max_completion_tokens or self.max_tokens or max_context,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_strings=tuple(stops),
+        )
+
+
+def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    code = {400: "invalid_request", 401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "unavailable"}
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": code.get(status)}}, status_code=status
+    )
+
+
+def usage(metrics: dict) -> dict[str, Any]:
+    """OpenAI's token counts, and the speculative figures (docs/design.md, "Metrics")."""
+    return {
+        "prompt_tokens": metrics["prompt_tokens"],
+        "completion_tokens": metrics["new_tokens"],
+        "total_tokens": metrics["prompt_tokens"] + metrics["new_tokens"],
+        "drafted_tokens": metrics["drafted"],
+        "accepted_tokens": metrics["accepted"],
+        "acceptance_rate": metrics["acceptance_rate"],
+        "target_passes": metrics["target_passes"],
+        "mean_accepted_length": metrics["mean_accepted_length"],
+        "tokens_per_second": metrics["tokens_per_s"],
+        "time_to_first_token_s": metrics["ttft_s"],
+        "mode": metrics["mode"],
+    }
+
+
+def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
+    """The API's routes over ``engine``; ``models`` describes the pair for ``/health``."""
+    router = APIRouter()
+
+    def refusal(http: Request) -> JSONResponse | None:
+        """A wrong key, a full queue or an unhealthy engine, answered before any work."""
+        if api_key:
+            given = http.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given.encode(), api_key.encode()):
+                return error(401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_request_error")
+        if not engine.healthy:
+            return error(503, f"the engine is not ready ({engine.state}); try again later", "server_error")
+        if engine.pending >= MAX_QUEUE:
+            return error(429, f"{engine.pending} requests are waiting; try again shortly", "rate_limit_error")
+        return None
+
+    @router.get("/health")
+    def health() -> JSONResponse:
+        body = {"status": engine.state, "models": models, "queue": engine.pending}
+        return JSONResponse(body, status_code=200 if engine.healthy else 503)
+
+    @router.get("/v1/models")
+    def list_models(http: Request) -> JSONResponse:
+        if api_key and (refused := refusal(http)) and refused.status_code == 401:
+            return refused
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_id,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "specchat",
+                        "modes": list(engine.modes),
+                    }
+                ],
+            }
+        )
+
+    @router.post("/v1/chat/completions", response_model=None)
+    def chat_completions(http: Request, body: dict[str, Any]) -> JSONResponse | StreamingResponse:
+        if refused := refusal(http):
+            return refused
+        try:
+            asked = ChatCompletion.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return error(400, f"{where}: {first['msg']}", "invalid_request_error", where)
+        stream = engine.generate(asked.engine_request(engine.max_context))
+        if stream.refusal:  # checked (and tokenized) once, by the engine
+            return error(400, stream.refusal, "invalid_request_error")
+        completion = f"chatcmpl-{uuid.uuid4().hex}"
+        if asked.stream:
+            include_usage = bool(asked.stream_options and asked.stream_options.include_usage)
+            return StreamingResponse(sse(completion, model_id, stream, include_usage), media_type="text/event-stream")
+        return whole(completion, model_id, stream)
+
+    return router
+
+
+def envelope(completion: str, model_id: str, kind: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    """What every completion body and chunk carries around its choices."""
+    return {
+        "id": completion,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_id,
+        "choices": choices,
+        **extra,
+    }
+
+
+def finish_reason(metrics: dict) -> str:
+    return FINISH_REASONS.get(metrics["finish_reason"], "stop")
+
+
+def whole(completion: str, model_id: str, stream: Stream) -> JSONResponse:
+    """A non-streamed answer: every event read, one JSON body."""
+    text, final = "", Event("error", error="no answer")
+    try:
+        for event in stream:
+            text += event.text
+            final = event
+    finally:
+        stream.close()
+    if final.kind == "error":
+        return error(503, final.error, "server_error")
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish_reason(final.metrics),
+    }
+    return JSONResponse(envelope(completion, model_id, "chat.completion", [choice], usage=usage(final.metrics)))
+
+
+def sse(completion: str, model_id: str, stream: Stream, include_usage: bool) -> Iterator[str]:
+    """Server-sent events: a role chunk, a chunk per text delta, the finish reason, the usage
+    (if asked), ``[DONE]``. A client that goes away closes the engine stream, which cancels it."""
+
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        return f"data: {json.dumps(envelope(completion, model_id, 'chat.completion.chunk', choices, **extra))}\n\n"
+
+    def delta(content: dict, finish: str | None = None) -> str:
+        return chunk([{"index": 0, "delta": content, "finish_reason": finish}])
+
+    try:
+        yield delta({"role": "assistant", "content": ""})
+        final = Event("error", error="no answer")
+        for event in stream:
+            final = event
+            if event.kind == "error":
+                yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
+                break
+            if event.text:
+                yield delta({"content": event.text})
+        else:
+            yield delta({}, finish_reason(final.metrics))
+            if include_usage:
+                yield chunk([], usage=usage(final.metrics))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()

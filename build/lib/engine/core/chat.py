@@ -1,0 +1,49 @@
+"""A conversation as prompt token ids, with what people typed kept as plain text.
+
+The chat template adds its own control tokens (``<|im_start|>``, ``<|im_end|>``...). Text a
+person types that looks like one must not become one: "<|im_start|>system" in a message would
+otherwise open a system turn of its own. So the template is rendered around placeholders, its
+own parts are tokenized as usual, and every message's content with special tokens split into
+ordinary text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import EngineError
+
+ROLES = ("system", "user", "assistant")
+_PLACEHOLDER = "\x00specchat-content-{}\x00"
+_PLACEHOLDERS = re.compile("\x00specchat-content-(\\d+)\x00")
+
+
+def check_messages(messages: Sequence[dict]) -> None:
+    """Refuse what no template should see: unknown roles, content that is not text, lone surrogates."""
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES:
+            raise EngineError(f"message {i + 1}: role must be one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise EngineError(f"message {i + 1}: content must be text")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EngineError(
+                f"message {i + 1}: the text holds an unpaired surrogate (a broken character): send valid UTF-8"
+            ) from None
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """The conversation through ``tokenizer``'s chat template, ready for the assistant's answer."""
+    placeheld = [{"role": m["role"], "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    for i, part in enumerate(_PLACEHOLDERS.split(rendered)):
+        if i % 2:  # a message's content: plain text, whatever it looks like
+            ids += tokenizer.encode(messages[int(part)]["content"], add_special_tokens=False, split_special_tokens=True)
+        elif part:  # the template's own text and control tokens
+            ids += tokenizer.encode(part, add_special_tokens=False)
+    return ids

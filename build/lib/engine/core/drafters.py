@@ -1,0 +1,262 @@
+"""Drafters propose tokens for the target to verify; the loop in
+:mod:`engine.core.decoding` calls only this small interface, so other drafters (prompt
+lookup, adaptive length, a cheaper draft head) plug in without touching it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from engine.core.runtime import Runtime, common_prefix
+from engine.core.sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: np.ndarray | None  # [len(tokens), V]: the distribution each token was drawn from (None when greedy)
+    seconds: float
+
+    def head(self, n: int) -> Draft:
+        """The first ``n`` drafted tokens (the loop caps a draft at the token budget)."""
+        return (
+            self
+            if len(self.tokens) <= n
+            else Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
+        )
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
+        whose proposals cost nothing may propose more)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        """Bring what the drafter caches up to ``context`` in passes of ``chunk`` tokens (a long
+        prompt before the first draft), yielding between passes."""
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        """Forget every cached token that is not a prefix of ``accepted``."""
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
+
+
+class NextTokenGuesser:
+    """Guesses the draft model's next token without running it, so that a 2-token draft pass can
+    carry the guess in its second slot: where the guess is right, that pass drafts two tokens.
+
+    The guess is the continuation of the context's longest earlier match of its last two tokens
+    (code repeats names and idioms), else what the draft itself produced the last time it saw
+    the same two tokens, else the same last token (learned as it drafts, across requests).
+    """
+
+    MAX_LEARNED = 200_000  # entries per table; both are cleared past this
+
+    def __init__(self, vocab_size: int):
+        self.lookup = LookupDrafter(vocab_size, min_ngram=2, max_ngram=8)
+        self.after_pair: dict[tuple[int, int], int] = {}
+        self.after_token: dict[int, int] = {}
+
+    def guess(self, context: Sequence[int]) -> int | None:
+        copied = self.lookup.lookup(np.asarray(context), 1)
+        if copied:
+            return copied[0]
+        if len(context) >= 2 and (pair := (context[-2], context[-1])) in self.after_pair:
+            return self.after_pair[pair]
+        return self.after_token.get(context[-1]) if context else None
+
+    def learn(self, previous: Sequence[int], token: int) -> None:
+        """Record that the draft produced ``token`` after ``previous`` (only its last two tokens count)."""
+        if len(self.after_pair) > self.MAX_LEARNED:
+            self.after_pair.clear()
+            self.after_token.clear()
+        if len(previous) >= 2:
+            self.after_pair[(previous[-2], previous[-1])] = token
+        if previous:
+            self.after_token[previous[-1]] = token
+
+
+class ModelDrafter:
+    """A small language model with its own KV cache drafts token by token.
+
+    ``p_min`` stops a round early once the draft's own confidence in the token it
+    just drafted (its top probability) falls below it; ``adaptive`` moves the draft
+    length (:attr:`k`) between 1 and the requested K from the last round's outcome
+    (two longer after a fully accepted draft, one shorter after a rejection). Neither
+    changes the output: how many tokens are drafted depends only on the draft.
+
+    On a runtime that feeds 2 tokens per pass, a step whose context lacks only its last
+    token feeds that token and a :class:`NextTokenGuesser` guess; where the draft's token
+    equals the guess, the second row is the draft's distribution for the token after it,
+    exactly as the next step would compute it, so the step drafts two tokens. Where it
+    differs, the guess is rolled back like any rejected token (by masking, for free).
+    """
+
+    def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False, vocab_size: int | None = None):
+        """``vocab_size``: the target's vocabulary, when the draft head covers only a prefix of it."""
+        self.runtime = runtime
+        self.vocab_size = vocab_size or runtime.vocab_size
+        self.p_min = p_min
+        self.adaptive = adaptive
+        self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
+        self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        start = time.perf_counter()
+        budget = min(k, self.k or k) if self.adaptive else k
+        tokens: list[int] = []
+        rows = []
+        done = False
+        while not done and len(tokens) < budget:
+            sequence = [*context, *tokens]
+            guess = self._guess(sequence)
+            fed = sequence if guess is None else [*sequence, guess]
+            for logits in self.runtime.sync(fed, rows=len(fed) - len(sequence) + 1):
+                if params.greedy:
+                    token = int(np.argmax(logits))
+                else:
+                    rows.append(logits_to_probs(logits, params))
+                    token = sample(rows[-1], rng)
+                if self.guesser is not None:  # the last two tokens before it, without copying the context
+                    self.guesser.learn([*context[-2:], *tokens][-2:], token)
+                tokens.append(token)
+                done = self.p_min > 0 and _confidence(logits) < self.p_min
+                if done or len(tokens) >= budget or token != guess:
+                    break
+        return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
+
+    def _guess(self, sequence: list[int]) -> int | None:
+        """A guess to feed after ``sequence``, only when the pass would otherwise re-feed a cached
+        token (exactly one token of ``sequence`` is not cached): the pass keeps its 2-token width."""
+        if self.guesser is None or len(sequence) - common_prefix(self.runtime.tokens, sequence) != 1:
+            return None
+        return self.guesser.guess(sequence)
+
+    def _padded(self, rows: list[np.ndarray]) -> np.ndarray:
+        """Rows over the target's vocabulary: ids past a reduced draft head have q = 0."""
+        probs = np.zeros((len(rows), self.vocab_size))
+        probs[:, : self.runtime.vocab_size] = np.stack(rows)
+        return probs
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return self.runtime.feed(context, chunk)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.adaptive and drafted:
+            current = self.k or drafted
+            self.k = current + 2 if accepted == drafted else max(1, current - 1)
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runtime.kv_cache_bytes
+
+
+def _confidence(logits: np.ndarray) -> float:
+    """The draft's top probability at temperature 1."""
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z).sum())
+
+
+class LookupDrafter:
+    """Prompt-lookup drafting: find where the context's last ``min_ngram`` tokens occurred
+    before, pick the occurrence whose preceding tokens match the context's furthest back
+    (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
+    model pass; its proposals are deterministic, so their draft distribution is one-hot."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        min_ngram: int = 2,
+        max_ngram: int = 32,
+        min_match: int | None = None,
+        span: int | None = None,
+    ):
+        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
+        ``span``: copy up to this many tokens per round (default: the round's k). A copied run
+        costs no draft pass, only verify rows, so it pays to copy further than a model drafts."""
+        self.vocab_size = vocab_size
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.min_match = min_match or min_ngram
+        self.span = span
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        start = time.perf_counter()
+        tokens = self.lookup(np.asarray(context), self.span or k)
+        probs = None
+        if not params.greedy:
+            probs = np.zeros((len(tokens), self.vocab_size))
+            probs[np.arange(len(tokens)), tokens] = 1.0
+        return Draft(tokens, probs, time.perf_counter() - start)
+
+    def lookup(self, context: np.ndarray, k: int) -> list[int]:
+        n = self.min_ngram
+        if len(context) <= n:
+            return []
+        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+        best, best_length = -1, -1
+        for hit in hits[::-1]:
+            length = self._match_length(context, int(hit) + n)
+            if length > best_length:
+                best, best_length = int(hit) + n, length
+        return [int(t) for t in context[best : best + k]] if best_length >= self.min_match else []
+
+    def _match_length(self, context: np.ndarray, end: int) -> int:
+        """How many tokens before ``end`` equal the context's last tokens (capped at ``max_ngram``)."""
+        length, limit = 0, min(self.max_ngram, end)
+        while length < limit and context[end - 1 - length] == context[len(context) - 1 - length]:
+            length += 1
+        return length
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return iter(())
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        pass
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+
+class HybridDrafter:
+    """Prompt lookup where the context repeats itself, the draft model elsewhere."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup = lookup
+        self.model = model
+        self._model_proposed = False  # who made the last proposal: the verdict is for them
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        draft = self.lookup.propose(context, k, params, rng)
+        self._model_proposed = not draft.tokens
+        return self.model.propose(context, k, params, rng) if self._model_proposed else draft
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._model_proposed:
+            self.model.observe(drafted, accepted)
+
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+        return self.model.catch_up(context, chunk)
+
+    def rollback(self, accepted: Sequence[int]) -> None:
+        self.model.rollback(accepted)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.model.kv_cache_bytes

@@ -1,0 +1,84 @@
+"""Rewrites of a stateful causal-LM IR's graph before it is compiled.
+
+``slice_logits`` adds a ``logits_to_keep`` input, so a long prefill does not pay for logits
+it never reads; ``shrink_vocabulary`` keeps only the first rows of the vocabulary projection
+(a cheaper draft head).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+from openvino import opset13 as ops
+
+
+def slice_logits(model: ov.Model) -> None:
+    """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
+    projection, so a long prefill does not pay for logits it never reads."""
+    node = lm_head(model)
+    hidden = node.input_value(0)
+    keep = ops.parameter([1], ov.Type.i64, name="logits_to_keep")
+    keep.output(0).get_tensor().set_names({"logits_to_keep"})
+    start = ops.negative(keep)
+    stop = ops.constant(np.array([np.iinfo(np.int64).max], dtype=np.int64))
+    step = ops.constant(np.array([1], dtype=np.int64))
+    axis = ops.constant(np.array([1], dtype=np.int64))
+    node.input(0).replace_source_output(ops.slice(hidden, start, stop, step, axis).output(0))
+    model.add_parameters([keep])
+    model.validate_nodes_and_infer_types()
+
+
+def lm_head(model: ov.Model) -> ov.Node:
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        node = node.input_value(0).get_node()
+    return node
+
+
+def shrink_vocabulary(model: ov.Model, rows: int) -> None:
+    """Keep only the first ``rows`` rows of the vocabulary projection (FR-Spec style).
+
+    BPE ids are ordered by merge rank, which follows frequency, so a prefix of the
+    vocabulary is a frequency-ranked subset that keeps every id unchanged. The
+    compressed weight constants (and their scales / zero points) are sliced in place,
+    so the bytes read per token shrink with the rows.
+    """
+    matmul = lm_head(model)
+    vocab = matmul.input_value(1).get_partial_shape()[0].get_length()
+    pending = [matmul.input_value(1).get_node()]
+    while pending:
+        node = pending.pop()
+        for port in node.inputs():
+            source = port.get_source_output().get_node()
+            if source.get_type_name() != "Constant":
+                pending.append(source)
+                continue
+            shape, kind = list(source.get_output_shape(0)), source.get_output_element_type(0)
+            if node.get_type_name() == "Reshape" and port.get_index() == 1:
+                sliced = ops.constant(np.where(source.get_data() == vocab, rows, source.get_data()), kind)
+            elif shape and shape[0] == vocab:
+                sliced = _first_rows(source, rows)
+            else:
+                continue
+            port.replace_source_output(sliced.output(0))
+    model.validate_nodes_and_infer_types()
+
+
+def _first_rows(constant: ov.Node, rows: int) -> ov.Node:
+    """A constant holding the first ``rows`` rows of ``constant``; 4-bit data comes packed two
+    values per byte, rows not necessarily byte-aligned, so it is unpacked and repacked."""
+    shape, kind = list(constant.get_output_shape(0)), constant.get_output_element_type(0)
+    data = constant.get_data()
+    if kind.bitwidth != 4:
+        return ops.constant(np.ascontiguousarray(data[:rows]), kind)
+    count = rows * int(np.prod(shape[1:]))
+    values = np.stack([data & 0x0F, data >> 4], axis=1).reshape(-1)[:count]
+    values = np.pad(values, (0, count % 2))
+    tensor = ov.Tensor(kind, [rows, *shape[1:]])
+    tensor.data[:] = (values[0::2] | (values[1::2] << 4)).reshape(tensor.data.shape)
+    return ov.op.Constant(tensor)
+
+
+def vocabulary_rows(model: ov.Model) -> int:
+    """Rows of the model's vocabulary projection."""
+    return lm_head(model).input_value(1).get_partial_shape()[0].get_length()

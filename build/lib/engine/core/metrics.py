@@ -1,0 +1,71 @@
+"""Run metrics, named and defined once (docs/design.md, "Metrics")."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+def expected_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Leviathan et al. 2023, eq. for the walltime improvement of speculative decoding."""
+    if gamma <= 0:
+        return 1.0
+    mean_tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return mean_tokens / (gamma * c + 1)
+
+
+@dataclass
+class Stats:
+    """Counters of one generation; ``snapshot`` derives the reported figures."""
+
+    mode: str
+    prompt_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    new_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    target_passes: int = 0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    target_kv_bytes: int = 0
+    draft_kv_bytes: int = 0
+    finish_reason: str = ""
+
+    def add_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None and n:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.new_tokens += n
+
+    def snapshot(self) -> dict:
+        end = self.last_token_at or time.perf_counter()
+        wall = end - self.start
+        acceptance = self.accepted / self.drafted if self.drafted else 0.0
+        per_round = self.drafted / self.rounds if self.rounds else 0.0
+        draft_cost = (self.draft_seconds / self.drafted) if self.drafted else 0.0
+        target_cost = (self.target_seconds / self.target_passes) if self.target_passes else 0.0
+        c = draft_cost / target_cost if target_cost else 0.0
+        return {
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "wall_s": wall,
+            "ttft_s": (self.first_token_at - self.start) if self.first_token_at else None,
+            "tokens_per_s": self.new_tokens / wall if wall > 0 and self.new_tokens else 0.0,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": acceptance,
+            "target_passes": self.target_passes,
+            "mean_accepted_length": self.new_tokens / self.target_passes if self.target_passes else 0.0,
+            "target_s": self.target_seconds,
+            "draft_s": self.draft_seconds,
+            "draft_target_cost_ratio": c,
+            "expected_speedup": expected_speedup(acceptance, per_round, c) if self.drafted else 1.0,
+            "target_kv_bytes": self.target_kv_bytes,
+            "draft_kv_bytes": self.draft_kv_bytes,
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,96 @@
+"""Every decoding mode in one registry: its name, where its drafts come from, its K and help.
+
+The engine builds each mode's drafter from here, the app lists the modes and their help
+from here, and the bench names and repeats them from here. A new drafting mode is one
+entry below plus its drafter in :mod:`engine.core.drafters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+from engine.core.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
+from engine.core.runtime import Runtime
+
+# "adaptive": its draft model stops a round once its confidence in the token it drafted falls
+# below this (0.3 stopped almost no round; docs/benchmarks.md, "How best was chosen").
+ADAPTIVE_P_MIN = 0.7
+# "best": the fastest exact configuration measured on this machine (docs/benchmarks.md, "How best
+# was chosen"): hybrid drafting at K=4 (with the draft's next-token guess it beat a confidence stop).
+BEST_K = 4
+# hybrid: prompt lookup only where at least this many tokens match, else the draft model.
+HYBRID_MIN_MATCH = 4
+# Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
+# run costs only verify rows (a 17-token verify ~2x a one-token step; docs/benchmarks.md).
+LOOKUP_SPAN = 16
+
+
+class DrafterParts:
+    """What the modes' drafters are made of, built once per engine and shared: every mode that
+    drafts with the draft model uses the one draft runtime (one KV cache)."""
+
+    def __init__(self, vocab_size: int, draft: Runtime | None):
+        self.vocab_size = vocab_size
+        self.draft = draft
+
+    @cached_property
+    def model(self) -> ModelDrafter:
+        assert self.draft is not None
+        return ModelDrafter(self.draft, vocab_size=self.vocab_size)
+
+    @cached_property
+    def hybrid(self) -> HybridDrafter:
+        return HybridDrafter(LookupDrafter(self.vocab_size, min_match=HYBRID_MIN_MATCH, span=LOOKUP_SPAN), self.model)
+
+    def adaptive(self) -> ModelDrafter:
+        assert self.draft is not None
+        return ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=self.vocab_size)
+
+    def lookup(self) -> LookupDrafter:
+        return LookupDrafter(self.vocab_size, span=LOOKUP_SPAN)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    short: str  # the bench's name for it
+    help: str  # where the drafts come from, in a few words
+    drafter: Callable[[DrafterParts], Drafter] | None  # None: autoregressive
+    needs_draft_model: bool = True
+    fixed_k: int | None = None  # a K of its own, whatever the request asks
+    per_k: bool = True  # the bench runs it once per draft length it is given
+
+    def k(self, requested: int) -> int:
+        return self.fixed_k or requested
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode(
+            "best",
+            "best",
+            f"fastest measured here: prompt lookup, else the draft model, at K={BEST_K}",
+            lambda parts: parts.hybrid,
+            fixed_k=BEST_K,
+            per_k=False,
+        ),
+        Mode("speculative", "sd", "draft model", lambda parts: parts.model),
+        Mode("adaptive", "adaptive", "draft model, stops when unsure, adaptive K", DrafterParts.adaptive),
+        Mode("hybrid", "hybrid", "prompt lookup, else the draft model", lambda parts: parts.hybrid),
+        Mode(
+            "pld",
+            "pld",
+            f"prompt lookup (copies up to {LOOKUP_SPAN} tokens)",
+            DrafterParts.lookup,
+            needs_draft_model=False,
+            per_k=False,
+        ),
+        Mode(
+            "autoregressive", "ar", "the target alone, one pass per token", None, needs_draft_model=False, per_k=False
+        ),
+    )
+}
+BY_SHORT_NAME = {m.short: m for m in MODES.values()}

@@ -1,0 +1,196 @@
+"""A lean wrapper over one OpenVINO ``InferRequest`` on a stateful causal-LM IR.
+
+The request's states are the KV cache. ``tokens`` mirrors what they hold, so any
+call can reuse the longest cached prefix and roll back the rest by trimming the
+states: nothing already computed is computed again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from engine.core import graph
+from engine.errors import ContextLimitError, PrepareError
+
+EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+# Activations are quantized for the int4 matmuls in groups matching the weights' group size:
+# on this CPU that cuts a decode step by a quarter against the plugin's default of 32
+# (docs/design.md, "Dynamic quantization group size").
+DYNAMIC_QUANTIZATION = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128}
+# The target's default. With it, a verify pass of up to 32 tokens computes each row bit for
+# bit as single-token steps do (tests/test_runtime.py), so greedy speculative decoding equals
+# autoregressive decoding exactly. The CPU default u8 KV cache breaks that: its per-block
+# quantization depends on how many tokens a pass appends.
+TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "bf16", **DYNAMIC_QUANTIZATION}
+# The draft's rounding cannot change the output, so it runs with the plugin's fastest settings.
+DRAFT_CONFIG = dict(DYNAMIC_QUANTIZATION)
+# A masked rollback compacts the cache once it holds more dropped entries than this; the
+# compaction costs one ordinary trim.
+MAX_MASKED = 64
+_KV_BYTES = {"u8": 1, "i8": 1, "bf16": 2, "f16": 2, "f32": 4}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case on every step, compared in C
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Runtime:
+    """One model, one request, one KV cache."""
+
+    def __init__(
+        self,
+        ir_dir: Path,
+        device: str = "CPU",
+        config: dict | None = None,
+        core: ov.Core | None = None,
+        vocab_limit: int | None = None,
+        masked_rollback: bool = False,
+        pass_width: int = 1,
+        first_token_alone: bool = False,
+    ):
+        """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
+
+        ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
+        copying the cache. For the draft, copying every state out and back in costs about a third
+        of one of its steps, and slows its next step by as much (docs/design.md, "Rollback by masking"); masking
+        costs nothing, but the attention sums then run over other slots and may round
+        differently. So it is for the draft, whose rounding cannot change the output.
+
+        ``pass_width``: :meth:`sync` feeds at least this many tokens per pass, re-feeding cached
+        ones (rolled back for free when masked). The CPU plugin pays a setup cost on every pass
+        whose token count differs from the previous pass's, about a quarter of a draft step; a
+        draft fed 2 tokens on every step (its catch-up after an accepted round needs 2) never pays
+        it, and a 2-token step costs what a 1-token step does (docs/design.md, "One pass width for the draft").
+
+        ``first_token_alone``: a pass into an empty cache goes over its first token alone. On this
+        CPU a pass with a past computes every row bit for bit alike, whatever its width, but the
+        first pass into an empty cache rounds differently with its width (docs/design.md, "Why
+        greedy speculative output is exact"). Starting every cache with one token makes the cache
+        entries, and so the answer, the same whatever the cache held before and however the
+        prompt is chunked. For the target, whose rounding is the output."""
+        if pass_width > 1 and not masked_rollback:
+            raise ValueError("pass_width > 1 re-feeds a cached token every step: it needs masked_rollback")
+        core = core or ov.Core()
+        self.ir_dir = Path(ir_dir)
+        xml = self.ir_dir / "openvino_model.xml"
+        try:
+            model = core.read_model(xml)
+        except RuntimeError as exc:
+            raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
+        graph.slice_logits(model)
+        if vocab_limit and vocab_limit < graph.vocabulary_rows(model):
+            graph.shrink_vocabulary(model, vocab_limit)
+        self.compiled = core.compile_model(model, device, config or {})
+        self.request = self.compiled.create_infer_request()
+        self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
+        hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
+        self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
+        self._kv_bytes_per_token = self._kv_bytes(hf_config)
+        self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
+        self.masked_rollback = masked_rollback
+        self.pass_width = pass_width
+        self.first_token_alone = first_token_alone
+        self._mask = np.ones(0, dtype=np.int64)  # one entry per cache slot: 0 = dropped
+        self.passes = 0
+
+    def _kv_bytes(self, cfg: dict) -> int:
+        layers = cfg["num_hidden_layers"]
+        kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        precision = str(self.compiled.get_property("KV_CACHE_PRECISION"))
+        per = next((b for name, b in _KV_BYTES.items() if name in precision), 2)
+        return 2 * layers * kv_heads * head_dim * per
+
+    @property
+    def slots(self) -> int:
+        """Entries the cache holds, masked-out ones included."""
+        return len(self._mask)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.slots * self._kv_bytes_per_token
+
+    def warm_up(self) -> None:
+        """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""
+        for n in sorted({8, 1, 5, self.pass_width}):
+            self.forward([0] * n, rows=n)
+        self.reset()
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.tokens = []
+        self._mask = np.ones(0, dtype=np.int64)
+
+    def trim(self, keep: int) -> None:
+        """Roll the KV cache back to its first ``keep`` tokens."""
+        if keep >= len(self.tokens):
+            return
+        if keep == 0:
+            self.reset()
+            return
+        slots = np.flatnonzero(self._mask)
+        if self.masked_rollback:
+            self._mask[slots[keep] :] = 0
+            dropped = len(self._mask) - keep
+            if dropped > MAX_MASKED:
+                self._gather(slots[:keep])
+        else:
+            self._gather(slots[:keep])
+        del self.tokens[keep:]
+
+    def _gather(self, slots: np.ndarray) -> None:
+        """Keep only the cache entries at ``slots``: a copy of every state out and back in."""
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.take(state.state.data, slots, axis=2))
+        self._mask = np.ones(len(slots), dtype=np.int64)
+
+    def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
+        """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them."""
+        if self.first_token_alone and not self.tokens and len(new_tokens) > 1:
+            first = self.forward(new_tokens[:1])
+            rest = self.forward(new_tokens[1:], rows)
+            return np.concatenate([first, rest])[-rows:] if rows >= len(new_tokens) else rest
+        past, m = len(self.tokens), len(new_tokens)
+        if past + m > self.max_context:
+            raise ContextLimitError(f"{past + m} tokens exceed the model's context of {self.max_context}")
+        self._mask = np.concatenate([self._mask, np.ones(m, dtype=np.int64)])
+        self.request.infer(
+            {
+                "input_ids": np.asarray([new_tokens], dtype=np.int64),
+                "attention_mask": self._mask[None],
+                "position_ids": np.arange(past, past + m, dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, dtype=np.int32),
+                "logits_to_keep": np.array([min(rows, m)], dtype=np.int64),
+            }
+        )
+        self.tokens.extend(new_tokens)
+        self.passes += 1
+        return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
+
+    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[None]:
+        """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
+        ``chunk`` tokens (after trimming it to the prefix it shares with them); yield after each
+        pass, so a caller can stop between them."""
+        self.trim(common_prefix(self.tokens, tokens))
+        while len(tokens) - len(self.tokens) > chunk:
+            self.forward(tokens[len(self.tokens) : len(self.tokens) + chunk])
+            yield
+
+    def sync(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:
+        """Make the cache hold ``tokens``: trim it to the longest prefix it shares with them (less
+        what a pass of ``pass_width`` re-feeds), forward the rest; return the logits of the last
+        ``rows`` positions. Nothing already computed is computed again."""
+        start = max(0, min(common_prefix(self.tokens, tokens), len(tokens) - max(rows, self.pass_width)))
+        self.trim(start)
+        return self.forward(tokens[start:], rows)

@@ -1,0 +1,484 @@
+"""The engine the app and the bench talk to: two models, one worker thread, streamed events.
+
+Every piece of work runs on the single worker thread, in arrival order, so the KV
+caches are never touched by two requests at once; callers wait in the queue and
+read their own request's events only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from engine.core import chat
+from engine.core.chat import check_messages
+from engine.core.decoding import DecodeConfig, Provenance, decode
+from engine.core.metrics import Stats
+from engine.core.modes import MODES, DrafterParts
+from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
+from engine.core.sampling import SamplingParams
+from engine.core.textstream import IncrementalDecoder, StopStrings
+from engine.errors import EngineError
+from engine.hf import auto_tokenizer
+
+T = TypeVar("T")
+# The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
+# on this machine the acceptance it costs outweighs the cheaper draft pass (docs/benchmarks.md).
+DRAFT_VOCAB: int | None = None
+# Tokens per draft pass (see Runtime): one shape for every draft step.
+DRAFT_PASS_WIDTH = 2
+# The longest prompt accepted, as a share of the context: room is left for the answer.
+INPUT_SHARE = 0.75
+# A message longer than this many characters per accepted token is refused without tokenizing it
+# (no tokenizer here packs more characters into a token).
+MAX_CHARS_PER_TOKEN = 16
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+MAX_K = 16
+# Seconds a request may go without progress (a round, a prefill chunk) before its stream fails
+# and the engine reports itself unhealthy.
+STEP_TIMEOUT = 120.0
+log = logging.getLogger("specchat.engine")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids."""
+
+    messages: tuple[dict, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    mode: str = "speculative"
+    k: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
+
+    def check(self, modes: Sequence[str], max_context: int) -> None:
+        """Refuse what the engine must never see: unknown modes, numbers out of range or not
+        finite (NaN passes every range check of a form), malformed messages."""
+        if self.mode not in modes:
+            raise EngineError(f"unknown mode '{self.mode}': choose one of {', '.join(modes)}")
+        _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _in_range("top_k", self.top_k, 0, max_context, whole=True)
+        _in_range("k", self.k, 1, MAX_K, whole=True)
+        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, whole=True)
+        if self.seed is not None:
+            _in_range("seed", self.seed, 0, 2**63 - 1, whole=True)
+        if len(self.stop_strings) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in self.stop_strings
+        ):
+            raise EngineError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+        check_messages(self.messages)
+
+
+def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
+    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``); a whole
+    number must be an int (a float would reach numpy and the sampler as a float)."""
+    number = int if whole else int | float
+    if isinstance(value, number) and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value)):
+        above = value > low if low_open else value >= low
+        if above and value <= high:
+            return
+    kind = "a whole number" if whole else "a number"
+    raise EngineError(
+        f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r:.40}"
+    )
+
+
+@dataclass
+class Event:
+    """``delta`` while streaming; a last event ``done`` (or ``error``) carries the final metrics."""
+
+    kind: str
+    text: str = ""
+    pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance) per token
+    metrics: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("done", "error")
+
+
+class Stream:
+    """The events of one request, in order, ending with a ``done`` or ``error`` event.
+
+    ``cancel()`` asks the engine to stop after the current round (or prefill chunk); the stream
+    still ends with its final event (finish reason ``cancelled``). ``close()`` cancels and stops
+    reading. A stream whose engine is unhealthy (no progress on any request for
+    ``step_timeout`` seconds) ends with an error event instead of waiting forever; waiting
+    behind other requests that do progress is not a failure."""
+
+    def __init__(self, step_timeout: float, healthy: Callable[[], bool]) -> None:
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._cancel = threading.Event()
+        self._ended = False
+        self.step_timeout = step_timeout
+        self._healthy = healthy
+        self.refusal = ""  # why the request was refused before it ran (a bad field, too long, not ready)
+
+    @classmethod
+    def refused(cls, error: str, mode: str) -> Stream:
+        """A stream that ends at once with ``error``: the request was refused before it ran."""
+        stream = cls(STEP_TIMEOUT, lambda: True)
+        stream.refusal = error
+        stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
+        return stream
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Event:
+        if self._ended:
+            raise StopIteration
+        while (event := self._poll(self.step_timeout)) is None:
+            pass
+        return event
+
+    def waiting(self, every: float) -> Iterator[Event | None]:
+        """The events, with a None after every ``every`` seconds without one: a caller that must
+        stay responsive while the engine serves others or prefills (a web handler, which can only
+        be stopped between yields) yields at each None."""
+        while not self._ended:
+            yield self._poll(every)
+
+    def _poll(self, seconds: float) -> Event | None:
+        """The next event, or None after ``seconds`` without one; an error event once the engine
+        is unhealthy (no progress on any request for ``step_timeout``)."""
+        try:
+            event = self._events.get(timeout=seconds)
+        except queue.Empty:
+            if self._healthy():
+                return None
+            self.cancel()
+            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
+        self._ended = event.final
+        return event
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        self.cancel()
+        self._ended = True
+
+
+class Engine:
+    def __init__(
+        self,
+        target_dir: Path,
+        draft_dir: Path | None = None,
+        device: str = "CPU",
+        config: dict | None = None,
+        draft_config: dict | None = None,
+        draft_vocab: int | None = DRAFT_VOCAB,
+        max_input_tokens: int | None = None,
+        step_timeout: float = STEP_TIMEOUT,
+    ):
+        """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
+        :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
+        logits for the first N token ids only (None: all). ``max_input_tokens``: the longest
+        prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
+        without progress after which a stream fails and the engine reports itself unhealthy.
+        The two models must share one
+        vocabulary (``engine.prepare`` checks it)."""
+
+        self.tokenizer = auto_tokenizer(target_dir)
+        self.target = Runtime(
+            Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
+        )
+        self.draft = (
+            Runtime(
+                Path(draft_dir),
+                device,
+                DRAFT_CONFIG if draft_config is None else draft_config,
+                vocab_limit=draft_vocab,
+                masked_rollback=True,
+                pass_width=DRAFT_PASS_WIDTH,
+            )
+            if draft_dir
+            else None
+        )
+        parts = DrafterParts(self.target.vocab_size, self.draft)
+        self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
+        self.drafters = {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.warm_up()
+        self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
+        self.max_context = self.target.max_context
+        self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
+        self.step_timeout = step_timeout
+        self._progress_at = time.monotonic()
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._busy = threading.Lock()
+        self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
+        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    # -- the worker -------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            with self._busy:
+                self._progress_at = time.monotonic()
+                try:
+                    job()
+                except BaseException:  # a job's own handler failed too: log it, keep serving
+                    log.exception("an engine job failed outside its request's handling")
+
+    def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
+        """Run ``fn(target, draft)`` on the worker thread, after the queued work, and return its
+        result: the one way to use the models' runtimes directly (the tools measure with it)."""
+        future: Future = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(fn(self.target, self.draft))
+            except BaseException as exc:  # handed back to the caller's thread
+                future.set_exception(exc)
+
+        self._jobs.put(job)
+        return future.result()
+
+    @property
+    def healthy(self) -> bool:
+        """False while a request has made no progress for longer than ``step_timeout``: a stuck
+        inference call (the worker recovers, and with it the health, when the call returns)."""
+        stuck = self._busy.locked() and time.monotonic() - self._progress_at > self.step_timeout
+        return self._worker.is_alive() and not stuck
+
+    @property
+    def state(self) -> str:
+        """One word for ``/health``."""
+        return "ok" if self.healthy else "unhealthy"
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for or using the engine."""
+        return self._jobs.qsize() + (1 if self._busy.locked() else 0)
+
+    # -- generation -------------------------------------------------------------------------
+    def check(self, request: Request) -> list[int]:
+        """The request's prompt ids, or an :class:`EngineError` saying what is wrong with it."""
+        request.check(self.modes, self.max_context)
+        return self.prompt_ids(request)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The request's prompt, refused above ``max_input_tokens`` (checked on characters first,
+        so a multi-megabyte paste is never tokenized)."""
+        if request.prompt_ids:
+            ids = list(request.prompt_ids)
+        else:
+            if not request.messages or not str(request.messages[-1].get("content", "")).strip():
+                raise EngineError("the message is empty: type something first")
+            characters = sum(len(m["content"]) for m in request.messages)
+            if characters > self.max_input_tokens * MAX_CHARS_PER_TOKEN:
+                raise self._too_long(f"{characters:,} characters")
+            with self._tokenizing:
+                ids = chat.prompt_ids(self.tokenizer, request.messages)
+        if len(ids) > self.max_input_tokens:
+            raise self._too_long(f"{len(ids):,} tokens")
+        return ids
+
+    def _too_long(self, length: str) -> EngineError:
+        return EngineError(
+            f"the conversation is {length} long; this server takes at most {self.max_input_tokens:,} tokens of "
+            f"input (the model's context holds {self.max_context:,}). Shorten the message or clear the chat."
+        )
+
+    def text(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens left out)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def generate(self, request: Request) -> Stream:
+        """Stream the events of one request (see :class:`Stream` for how to stop it). A request
+        that is not valid ends at once with an error event; nothing of it reaches the worker."""
+        try:
+            prompt = self.check(request)
+        except EngineError as exc:
+            return Stream.refused(str(exc), request.mode)
+        stream = Stream(self.step_timeout, lambda: self.healthy)
+        self._jobs.put(lambda: self._run(request, prompt, stream._events, stream._cancel))
+        return stream
+
+    def run(self, request: Request) -> Event:
+        """Generate to the end; return the final event."""
+        for event in self.generate(request):
+            if event.final:
+                return event
+        raise EngineError("generation ended without a final event")
+
+    def _run(self, request: Request, prompt: list[int], events: queue.Queue, cancel: threading.Event) -> None:
+        stats = Stats(request.mode)
+        out: list[int] = []
+
+        def progress(event: Event) -> None:
+            self._mark_progress()
+            events.put(event)
+
+        try:
+            if not request.reuse_cache:
+                self.reset()
+                stats.start = time.perf_counter()
+            detok = IncrementalDecoder(self.tokenizer)
+            stops = StopStrings(request.stop_strings)
+            drafter = self.drafters.get(request.mode)
+            config = self._decode_config(request, cancel)
+            for round_ in decode(self.target, drafter, prompt, config, stats):
+                pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
+                out += round_.tokens
+                delta, stopped = stops.push("".join(piece for piece, _ in pieces))
+                progress(Event("delta", delta, pieces, stats.snapshot()))
+                if stopped:
+                    stats.finish_reason = "stop"
+                    break
+                if cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    break
+            else:
+                tail, stopped = stops.push(detok.flush())
+                tail += "" if stopped else stops.flush()
+                stats.finish_reason = "stop" if stopped else stats.finish_reason
+                if tail:
+                    progress(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
+            progress(Event("done", metrics=stats.snapshot(), token_ids=out))
+        except EngineError as exc:
+            progress(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
+        except Exception:  # never let one request kill the worker, nor leave its caches half-written
+            request_id = uuid.uuid4().hex[:8]
+            log.exception("request %s failed (mode %s, %d prompt tokens)", request_id, request.mode, len(prompt))
+            self.reset()
+            error = f"internal error (request {request_id}): the server log has the details; please try again"
+            progress(Event("error", error=error, metrics=stats.snapshot(), token_ids=out))
+
+    def _decode_config(self, request: Request, cancel: threading.Event) -> DecodeConfig:
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
+        mode = MODES[request.mode]
+        return DecodeConfig(
+            mode.drafter is not None,
+            mode.k(request.k),
+            request.max_new_tokens,
+            sampling,
+            self.stop_ids,
+            cancelled=cancel.is_set,
+            progress=self._mark_progress,
+        )
+
+    def _mark_progress(self) -> None:
+        self._progress_at = time.monotonic()
+
+    def reset(self) -> None:
+        """Empty both KV caches (worker thread only)."""
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.reset()
+
+
+def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+        token_id = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    gen = ir_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+class Loading:
+    """The engine while its models are prepared and loaded (in a thread), so that a server can
+    listen at once. Until the engine is ready every request ends at once with the preparation's
+    progress, and health says so; then everything goes to the engine.
+
+    ``load`` builds the engine; ``modes`` are the modes to offer meanwhile. Progress is the last
+    message logged under ``progress_logger`` (the preparation's own log)."""
+
+    CONTEXT_WHILE_LOADING = 2048  # what a form may offer before the model's context is known
+
+    def __init__(self, load: Callable[[], Engine], modes: Sequence[str], progress_logger: str = "specchat.prepare"):
+        self.engine: Engine | None = None
+        self.progress = "starting"
+        self.failure: str | None = None
+        self._modes = tuple(modes)
+        self._load = load
+        self._progress_log = logging.getLogger(progress_logger)
+        self._listener = _LastMessage(self)
+        self._progress_log.addHandler(self._listener)
+        threading.Thread(target=self._run, name="engine-loader", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except EngineError as exc:
+            self.failure = str(exc)
+            log.error("the models could not be prepared: %s", exc)
+        except Exception as exc:  # reported on the page and in the log; the server stays up
+            self.failure = f"{type(exc).__name__} (the server log has the details)"
+            log.exception("the models could not be loaded")
+        finally:
+            self._progress_log.removeHandler(self._listener)
+
+    @property
+    def state(self) -> str:
+        if self.engine is not None:
+            return self.engine.state
+        return f"failed: {self.failure}" if self.failure else f"loading: {self.progress}"
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.healthy
+
+    @property
+    def pending(self) -> int:
+        return self.engine.pending if self.engine is not None else 0
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return self.engine.modes if self.engine is not None else self._modes
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context if self.engine is not None else self.CONTEXT_WHILE_LOADING
+
+    def check(self, request: Request) -> list[int]:
+        if self.engine is None:
+            raise EngineError(self._not_ready())
+        return self.engine.check(request)
+
+    def generate(self, request: Request) -> Stream:
+        if self.engine is None:
+            return Stream.refused(self._not_ready(), request.mode)
+        return self.engine.generate(request)
+
+    def _not_ready(self) -> str:
+        if self.failure:
+            return f"the models could not be prepared: {self.failure}"
+        return f"the models are still being prepared ({self.progress}); try again in a minute"
+
+
+class _LastMessage(logging.Handler):
+    def __init__(self, loading: Loading):
+        super().__init__(logging.INFO)
+        self.loading = loading
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.loading.progress = record.getMessage()

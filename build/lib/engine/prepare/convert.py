@@ -1,0 +1,110 @@
+"""GGUF / Hugging Face model -> stateful OpenVINO IR, weights compressed by NNCF.
+
+Heavy steps (GGUF dequantization, optimum-intel export) run in child processes so
+that their peak memory is returned to the system before the next step starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.errors import PrepareError
+from engine.hf import hide_unloadable_torchvision
+
+PRECISIONS = ("int4", "int8", "fp16")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """NNCF weight compression, as optimum-cli exposes it."""
+
+    precision: str = "int4"
+    group_size: int = 128
+    ratio: float = 1.0
+    all_layers: bool = False
+    sym: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise PrepareError(f"unknown precision '{self.precision}': choose one of {', '.join(PRECISIONS)}")
+        if not 0.0 < self.ratio <= 1.0:
+            raise PrepareError(f"ratio must be in (0, 1], got {self.ratio}")
+
+    def cli_args(self) -> list[str]:
+        args = ["--weight-format", self.precision]
+        if self.precision == "int4":
+            args += ["--group-size", str(self.group_size), "--ratio", str(self.ratio)]
+            if self.all_layers:
+                args.append("--all-layers")
+        if self.precision in ("int4", "int8") and self.sym:
+            args.append("--sym")
+        return args
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_child(args: list[str], what: str) -> None:
+    """Run a heavy step in a child process; its progress bars go straight to the terminal."""
+    result = subprocess.run(args, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise PrepareError(f"{what} failed (exit {result.returncode}):\n{tail}")
+
+
+def dequantize_gguf(gguf: Path, out_dir: Path) -> None:
+    """GGUF -> Hugging Face folder (fp16 safetensors + tokenizer), in a child process."""
+    run_child(
+        [sys.executable, "-m", "engine.prepare.convert", "dequantize", str(gguf), str(out_dir)],
+        f"dequantizing {gguf.name}",
+    )
+
+
+def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
+    """Hugging Face folder (or hub id) -> stateful OpenVINO IR with OpenVINO tokenizers."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.prepare.convert",
+        "export",
+        "openvino",
+        "--model",
+        hf_folder,
+        "--task",
+        "text-generation-with-past",
+        *compression.cli_args(),
+        str(out_dir),
+    ]
+    run_child(cmd, f"exporting {hf_folder} to OpenVINO ({compression.precision})")
+
+
+def _dequantize_main(gguf: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"dequantizing {gguf.name} (transformers GGUF loader)", file=sys.stderr, flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _export_main(args: list[str]) -> None:
+    """optimum-cli with the given arguments, in this process."""
+    from optimum.commands.optimum_cli import main as optimum_cli
+
+    sys.argv = ["optimum-cli", *args]
+    optimum_cli()
+
+
+if __name__ == "__main__":
+    hide_unloadable_torchvision()
+    if len(sys.argv) == 4 and sys.argv[1] == "dequantize":
+        _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "export":
+        _export_main(sys.argv[1:])
+    else:
+        sys.exit("usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | export openvino ARGS...")

@@ -1,0 +1,346 @@
+"""Get a target and a draft model onto disk as ready OpenVINO IR folders.
+
+``python -m engine.prepare`` builds the embedded default pair; ``--target`` /
+``--draft`` take any source that :mod:`engine.prepare.sources` recognises. Results are
+cached by source identity and compression settings; every cache entry is built in
+a temporary folder and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from engine.errors import PrepareError, TokenizerMismatchError
+from engine.prepare import disk, embedded, sources, vocab
+from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
+from engine.prepare.sources import Kind, Source
+
+CACHE_ENV = "SPECCHAT_CACHE"
+MANIFEST = "manifest.json"
+# A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
+PERSISTENT_STORAGE = Path("/data")
+
+
+def default_cache_dir() -> Path:
+    """$SPECCHAT_CACHE, else /data/specchat where a writable /data exists (a Space), else ~/.cache/specchat."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if PERSISTENT_STORAGE.is_dir() and os.access(PERSISTENT_STORAGE, os.W_OK):
+        return PERSISTENT_STORAGE / "specchat"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specchat"
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path
+    precision: str
+    source: str
+    sha256: str
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "path": str(self.path)}
+
+
+def log(message: str) -> None:
+    """A line of progress: on stderr, and to whoever listens to the ``specchat.prepare`` log (the
+    app's page while it starts)."""
+    _logger.info(message)
+
+
+def _stderr_logger() -> logging.Logger:
+    logger = logging.getLogger("specchat.prepare")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[prepare] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # printed once, whatever the app's own logging does
+    return logger
+
+
+_logger = _stderr_logger()
+
+
+def library_versions() -> dict[str, str]:
+    names = ("openvino", "openvino-tokenizers", "optimum-intel", "nncf", "transformers")
+    return {n: metadata.version(n) for n in names}
+
+
+def _identity(source: Source) -> str:
+    """A stable id of the source's content, cheap enough for the cache check."""
+    if source.kind == Kind.EMBEDDED:
+        return embedded.EMBEDDED[source.spec].sha256
+    if source.kind == Kind.GGUF:
+        st = source.local.stat()
+        return hashlib.sha256(f"{source.path}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    if source.kind == Kind.HF_FOLDER:
+        return sources.folder_fingerprint(source.local)
+    return hashlib.sha256(source.spec.encode()).hexdigest()
+
+
+def entry_dir(cache_dir: Path, source: Source, compression: Compression) -> Path:
+    key = json.dumps({"id": _identity(source), **compression.as_dict()}, sort_keys=True)
+    slug = "".join(c if c.isalnum() or c in "._-" else "-" for c in source.label.removesuffix(".gguf"))
+    return cache_dir / "ir" / f"{slug}-{compression.precision}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def cached(entry: Path) -> PreparedModel | None:
+    manifest = entry / MANIFEST
+    if not manifest.exists():
+        return None
+    data = json.loads(manifest.read_text())
+    return PreparedModel(entry, data["precision"], data["source"], data["sha256"])
+
+
+def local_source(source: Source, cache_dir: Path) -> Source:
+    """Embedded and hub sources become a local GGUF file or HF folder."""
+    if source.kind == Kind.EMBEDDED:
+        path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir, log)
+        return Source(source.spec, Kind.GGUF, path)
+    if source.kind == Kind.HUB:
+        return Source(source.spec, Kind.HF_FOLDER, download_from_hub(source.spec, cache_dir))
+    return source
+
+
+def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
+    """The real hub path: fails fast with one message where the hub is unreachable."""
+    if sources.hub_offline():
+        raise PrepareError(f"{repo_id}: HF_HUB_OFFLINE is set, so the model hub cannot be used")
+    import requests
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        requests.head(endpoint, timeout=5)
+    except requests.RequestException as exc:
+        raise PrepareError(
+            f"{repo_id}: the model hub ({endpoint}) is not reachable from this machine ({type(exc).__name__}). "
+            f"Use the embedded default, a local GGUF file, a Hugging Face folder or an OpenVINO IR folder."
+        ) from None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                cache_dir=cache_dir / "hub",
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:  # huggingface_hub raises many types; the message is what matters
+        raise PrepareError(f"{repo_id}: download from the model hub failed: {exc}") from exc
+
+
+def _source_sha256(source: Source) -> str:
+    if source.kind == Kind.EMBEDDED:
+        return embedded.EMBEDDED[source.spec].sha256
+    if source.kind == Kind.GGUF:
+        return embedded.sha256_file(source.local, desc=f"sha256 {source.local.name}")
+    return sources.folder_fingerprint(source.local)
+
+
+def _conversion_bytes(source: Source) -> int:
+    """Disk a conversion needs on the way: the fp16 intermediate and the IR."""
+    if source.kind == Kind.EMBEDDED:
+        return embedded.EMBEDDED[source.spec].size * 6
+    if source.kind == Kind.GGUF:
+        return source.local.stat().st_size * 4
+    if source.kind == Kind.HF_FOLDER:
+        return sum(p.stat().st_size for p in source.local.rglob("*") if p.is_file()) * 2
+    return 8 << 30
+
+
+def _check_architecture(source: Source) -> None:
+    if source.kind == Kind.GGUF:
+        sources.check_architecture(vocab.gguf_architecture(source.local), source.spec)
+    elif source.kind == Kind.HF_FOLDER:
+        sources.check_architecture(sources.hf_model_type(source.local), source.spec)
+
+
+def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> PreparedModel:
+    """Return the IR folder for ``spec``, converting it only if no cache entry exists."""
+    source = sources.resolve(spec)
+    if source.kind == Kind.OV_IR:
+        return PreparedModel(source.local, "as-is", spec, sources.folder_fingerprint(source.local))
+    entry = entry_dir(cache_dir, source, compression)
+    if hit := cached(entry):
+        log(f"{spec}: already prepared ({hit.precision}) at {entry}")
+        return hit
+    disk.require_free(cache_dir, _conversion_bytes(source), f"convert {spec}")
+    start = time.perf_counter()
+    with disk.exclusive(entry.parent, entry.name, log) as scratch:
+        if hit := cached(entry):  # another preparation finished it while this one waited
+            return hit
+        with disk.full_disk_reported(entry.parent, f"convert {spec}"):
+            sha = _build(spec, source, compression, cache_dir, scratch)
+            os.replace(scratch / "ir", entry)
+    log(f"{spec}: ready at {entry} ({time.perf_counter() - start:.0f} s)")
+    return PreparedModel(entry, compression.precision, spec, sha)
+
+
+def _build(spec: str, source: Source, compression: Compression, cache_dir: Path, scratch: Path) -> str:
+    """Convert ``source`` into ``scratch / "ir"`` with its manifest; return the source's sha256."""
+    start = time.perf_counter()
+    local = local_source(source, cache_dir)
+    _check_architecture(local)
+    sha = _source_sha256(source if source.kind == Kind.EMBEDDED else local)
+    build = scratch / "ir"
+    if local.kind == Kind.GGUF:
+        disk.require_free(scratch.parent, _conversion_bytes(local), f"dequantize {spec}")
+        log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
+        hf = scratch / "hf"
+        dequantize_gguf(local.local, hf)
+    else:
+        hf = local.local
+    disk.require_free(scratch.parent, _conversion_bytes(Source(spec, Kind.HF_FOLDER, hf)) // 2, f"export {spec}")
+    log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
+    export_ir(str(hf), build, compression)
+    sources.validate_ir(build)
+    manifest = {
+        "source": spec,
+        "kind": source.kind.value,
+        "sha256": sha,
+        "precision": compression.precision,
+        "compression": compression.as_dict(),
+        "versions": library_versions(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "vocabulary": asdict(vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))),
+    }
+    (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return sha
+
+
+def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
+    source = sources.resolve(spec)
+    return source.kind == Kind.OV_IR or cached(entry_dir(cache_dir, source, compression)) is not None
+
+
+def check_pair(target: str, draft: str, vocabularies: tuple[vocab.Vocabulary, vocab.Vocabulary]) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    t, d = vocabularies
+    if t.digest != d.digest:
+        raise TokenizerMismatchError(
+            f"the draft {draft} ({d.describe()}) does not share the tokenizer of the target {target} "
+            f"({t.describe()}): speculative decoding needs one vocabulary. Pick a draft of the same model family."
+        )
+
+
+def ir_vocabulary(model: PreparedModel) -> vocab.Vocabulary:
+    """The prepared model's vocabulary: recorded in its manifest, else read from its tokenizer."""
+    manifest = model.path / MANIFEST
+    recorded = json.loads(manifest.read_text()).get("vocabulary") if manifest.exists() else None
+    return (
+        vocab.Vocabulary(**recorded) if recorded else vocab.Vocabulary.of(Source(model.source, Kind.OV_IR, model.path))
+    )
+
+
+def prepare_pair(
+    target: str, draft: str, target_compression: Compression, draft_compression: Compression, cache_dir: Path
+) -> tuple[PreparedModel, PreparedModel]:
+    """Both models as IR folders; a draft of another vocabulary is refused before any conversion."""
+    start = time.perf_counter()
+    disk.remove_stale(cache_dir, log)
+    if not all(_is_prepared(s, c, cache_dir) for s, c in ((target, target_compression), (draft, draft_compression))):
+        check_pair(target, draft, (source_vocabulary(target, cache_dir), source_vocabulary(draft, cache_dir)))
+    pair = (prepare_one(target, target_compression, cache_dir), prepare_one(draft, draft_compression, cache_dir))
+    check_pair(target, draft, (ir_vocabulary(pair[0]), ir_vocabulary(pair[1])))
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return pair
+
+
+def source_vocabulary(spec: str, cache_dir: Path) -> vocab.Vocabulary:
+    return vocab.Vocabulary.of(local_source(sources.resolve(spec), cache_dir))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model flags shared by prepare, bench and the app."""
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("SPECCHAT_TARGET", embedded.DEFAULT_TARGET),
+        help="target model: embedded name, GGUF file, HF folder, hub id or OpenVINO IR folder",
+    )
+    parser.add_argument(
+        "--draft",
+        default=os.environ.get("SPECCHAT_DRAFT", embedded.DEFAULT_DRAFT),
+        help="draft model, same tokenizer as the target (default: $SPECCHAT_DRAFT or the embedded one)",
+    )
+    for role in ("target", "draft"):
+        variable = f"SPECCHAT_{role.upper()}_PRECISION"
+        parser.add_argument(
+            f"--{role}-precision",
+            default=os.environ.get(variable, "int4"),
+            choices=PRECISIONS,
+            help=f"weights of the {role} (default: ${variable} or int4)",
+        )
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
+    parser.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="compress the target's embeddings and lm_head to int4 too (the draft's always are)",
+    )
+    parser.add_argument("--sym", action="store_true", help="symmetric int4/int8 weights (default asymmetric)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"default: ${CACHE_ENV}, else /data/specchat where /data is writable (a Space), else ~/.cache/specchat",
+    )
+
+
+def draft_compression(
+    precision: str = "int4", group_size: int = 128, ratio: float = 1.0, sym: bool = False
+) -> Compression:
+    """The draft's embeddings and vocabulary projection go to int4 with its layers: the draft's
+    rounding cannot change the output, and the int4 head makes a draft step about a quarter
+    cheaper on this CPU (docs/benchmarks.md, "What else was tried"). Only int4 has that option, so other precisions
+    keep the plain settings (and the same cache entry)."""
+    return Compression(precision, group_size, ratio, all_layers=precision == "int4", sym=sym)
+
+
+def compression_from_args(args: argparse.Namespace, role: str, precision: str) -> Compression:
+    """The compression the flags ask for, for the ``target`` or the ``draft``."""
+    if role == "draft":
+        return draft_compression(precision, args.group_size, args.ratio, args.sym)
+    return Compression(precision, args.group_size, args.ratio, args.all_layers, args.sym)
+
+
+def cache_dir_from_args(args: argparse.Namespace) -> Path:
+    return args.cache_dir or default_cache_dir()
+
+
+def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, PreparedModel]:
+    cache_dir = cache_dir_from_args(args)
+    return prepare_pair(
+        args.target,
+        args.draft,
+        compression_from_args(args, "target", args.target_precision),
+        compression_from_args(args, "draft", args.draft_precision),
+        cache_dir,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.prepare", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        target, draft = prepare_from_args(args)
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"target": target.as_dict(), "draft": draft.as_dict()}))
+    else:
+        print(f"target: {target.path}\ndraft:  {draft.path}")
+    return 0

@@ -1,0 +1,276 @@
+"""Normal users and misbehaving ones on one server at once: every normal answer must arrive
+intact, every bad request must get a clear message quickly, and the engine must end healthy.
+
+    python -m engine.tools.chaos                       # starts the app (default pair) on a free loopback port
+    python -m engine.tools.chaos --url http://127.0.0.1:7860/
+
+Traffic goes to loopback addresses only, and every loop is bounded in count and time. The
+misbehaving users send: NaN settings (through Gradio's REST API, which takes them), a
+megabyte message, a closed stream mid-answer, and Stop while a long prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from engine.cli import CODING_PROMPTS, is_loopback, run_cli
+from engine.errors import EngineError
+from engine.tools.bench import load_prompts
+from engine.tools.report import Column, markdown_table, write_text
+
+# The chat endpoint's settings after the message and the colouring flag: mode, K, temperature,
+# top-p, max new tokens, seed.
+GREEDY = ["best", 4, 0.0, 1.0]
+CLEAR_WITHIN_S = 2.0
+COLUMNS = [
+    Column("user", "kind"),
+    Column("requests", "requests"),
+    Column("as expected", "as_expected"),
+    Column("slowest answer s", "slowest_s", "{:.2f}"),
+    Column("what was expected", "expected"),
+]
+
+
+@dataclass
+class Tally:
+    kind: str
+    expected: str
+    requests: int = 0
+    as_expected: int = 0
+    slowest_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    def record(self, ok: bool, seconds: float, what: str) -> None:
+        self.requests += 1
+        self.as_expected += ok
+        self.slowest_s = max(self.slowest_s, seconds)
+        if not ok:
+            self.failures.append(what)
+
+
+def require_loopback(url: str) -> None:
+    if not is_loopback(urlparse(url).hostname or ""):
+        raise EngineError(f"{url}: the chaos run sends traffic to loopback addresses only")
+
+
+def answer(url: str, message: str, max_new_tokens: int, timeout_s: float) -> tuple[str, float]:
+    """One greedy chat turn through the app's own API: (the answer's text, seconds)."""
+    from gradio_client import Client
+
+    start = time.monotonic()
+    job = Client(url, verbose=False).submit(message, False, *GREEDY, max_new_tokens, -1, api_name="/respond")
+    return last_text(job.result(timeout=timeout_s)), time.monotonic() - start
+
+
+def raw_call(url: str, api_name: str, body: str, timeout_s: float = 60) -> list:
+    """An endpoint called over Gradio's REST API with a hand-written JSON body (NaN included),
+    within ``timeout_s`` in all (its event stream's heartbeats do not extend it)."""
+    deadline = time.monotonic() + timeout_s
+    posted = httpx.post(
+        f"{url}gradio_api/call/{api_name}",
+        content=body,
+        timeout=timeout_s,
+        headers={"content-type": "application/json"},
+    )
+    data = []
+    with httpx.stream("GET", f"{url}gradio_api/call/{api_name}/{posted.json()['event_id']}", timeout=timeout_s) as r:
+        for line in r.iter_lines():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{api_name} did not finish within {timeout_s:g} s")
+            if line.startswith("data: "):
+                data.append(line.removeprefix("data: "))
+    return json.loads(data[-1]) if data and data[-1] != "null" else []
+
+
+def message_text(message: dict) -> str:
+    """The text of one chat message as Gradio's API returns it."""
+    return "".join(p["text"] for p in message["content"] if p.get("type") == "text")
+
+
+def last_text(output: list) -> str:
+    """The text of the last chat message in an output of the chat endpoint (empty if none)."""
+    return message_text(output[1][-1]) if output and output[1] else ""
+
+
+def nan_settings(url: str, n: int) -> tuple[bool, float]:
+    start = time.monotonic()
+    body = json.dumps({"data": ["hello", [], False, *GREEDY[:2], None, 1.0, n, -1]}).replace("null", "NaN")
+    text = last_text(raw_call(url, "respond", body, 30))
+    return "temperature must be" in text, time.monotonic() - start
+
+
+def huge_message(url: str, n: int) -> tuple[bool, float]:
+    start = time.monotonic()
+    body = json.dumps({"data": ["x" * 2**20, [], False, *GREEDY, n, -1]})
+    text = last_text(raw_call(url, "respond", body, 30))
+    return "characters long" in text, time.monotonic() - start
+
+
+def closed_mid_answer(url: str, n: int) -> tuple[bool, float]:
+    """Submit, read the first update, close while the answer still runs (the other users'
+    answers then show whether it was left behind cleanly)."""
+    from gradio_client import Client
+
+    start = time.monotonic()
+    job = Client(url, verbose=False).submit(
+        "Write a long story about a fox.", False, *GREEDY, n, -1, api_name="/respond"
+    )
+    deadline = time.monotonic() + 60
+    while not job.outputs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = bool(job.outputs()) and not job.done()
+    job.cancel()
+    return running, time.monotonic() - start
+
+
+def stop_during_prefill(url: str, n: int) -> tuple[bool, float]:
+    """A long prompt (about 3,600 tokens), cancelled half a second in: still being prefilled (or,
+    on a server with a shorter input cap, refused at once with the length and the limit)."""
+    from gradio_client import Client
+
+    start = time.monotonic()
+    job = Client(url, verbose=False).submit(
+        "Summarize: " + "the fox runs. " * 600, False, *GREEDY, n, -1, api_name="/respond"
+    )
+    time.sleep(0.5)
+    outputs = job.outputs()
+    refused = bool(outputs) and "characters long" in last_text(outputs[-1])
+    running = not job.done()
+    job.cancel()
+    return running or refused, time.monotonic() - start
+
+
+MISBEHAVIOUR: dict[str, tuple[Callable[[str, int], tuple[bool, float]], str]] = {
+    "NaN settings": (nan_settings, "a message naming the field"),
+    "1 MB message": (huge_message, "a message with the length and the limit"),
+    "closes mid-answer": (closed_mid_answer, "closed while answering, the others unharmed"),
+    "Stop during prefill": (stop_during_prefill, "cancelled within 2 s, the others unharmed"),
+}
+
+
+def run(url: str, prompts: list[str], users: int, rounds: int, max_new_tokens: int, seconds: float) -> list[Tally]:
+    """Solo answers first, then normal and misbehaving users together, bounded by ``seconds``."""
+    solo = {p: answer(url, p, max_new_tokens, seconds)[0] for p in prompts}
+    normal = Tally("normal", "the answer it gets alone, intact")
+    bad = {kind: Tally(kind, expected) for kind, (_, expected) in MISBEHAVIOUR.items()}
+    deadline = time.monotonic() + seconds
+
+    def normal_user(i: int) -> None:
+        for r in range(rounds):
+            if time.monotonic() > deadline:
+                return
+            prompt = prompts[(i + r) % len(prompts)]
+            try:
+                text, took = answer(url, prompt, max_new_tokens, seconds)
+                normal.record(text == solo[prompt], took, f"{prompt[:30]!r}: answer differs from its solo run")
+            except Exception as exc:  # a lost answer is a finding, not a crash of the run
+                normal.record(False, 0.0, f"{prompt[:30]!r}: {type(exc).__name__}: {exc}")
+
+    def bad_user(kind: str) -> None:
+        action = MISBEHAVIOUR[kind][0]
+        for _ in range(rounds):
+            if time.monotonic() > deadline:
+                return
+            try:
+                ok, took = action(url, max_new_tokens)
+                quick = took <= CLEAR_WITHIN_S or kind == "closes mid-answer"  # that one waits for its first update
+                bad[kind].record(ok and quick, took, f"{'slow' if ok else 'not as expected'} ({took:.1f} s)")
+            except Exception as exc:
+                bad[kind].record(False, 0.0, f"{type(exc).__name__}: {exc}")
+
+    with ThreadPoolExecutor(users + len(bad)) as pool:
+        futures = [pool.submit(normal_user, i) for i in range(users)]
+        futures += [pool.submit(bad_user, kind) for kind in bad]
+        for future in futures:
+            future.result()
+    health = Tally("engine at the end", "healthy, idle, answering as alone")
+    from gradio_client import Client
+
+    state = Client(url, verbose=False).predict(api_name="/health")
+    text, took = answer(url, prompts[0], max_new_tokens, seconds)
+    health.record(state["healthy"] and text == solo[prompts[0]], took, f"health {state}")
+    return [normal, *bad.values(), health]
+
+
+def peak_rss_gib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), in GiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 2**20
+
+
+@contextlib.contextmanager
+def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[str, int]]:
+    """``python app.py`` on a free loopback port, until the block ends: (its URL, its pid)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen(
+        [sys.executable, str(root / "app.py"), "--host", "127.0.0.1", "--port", str(port), *app_args],
+        env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise EngineError(f"the app exited with {process.returncode} before serving")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}health", timeout=2).status_code == 200:  # listening, and the models ready
+                    break
+            time.sleep(1)
+        else:
+            raise EngineError(f"the app did not serve within {timeout_s:.0f} s")
+        yield url, process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running app (loopback only); default: start one")
+    parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
+    parser.add_argument("--users", type=int, default=3, help="normal users")
+    parser.add_argument("--rounds", type=int, default=3, help="requests per user")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--seconds", type=float, default=600, help="stop starting requests after this")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--table", type=Path)
+    args, app_args = parser.parse_known_args(argv)
+
+    def chaos() -> None:
+        prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
+        with contextlib.nullcontext((args.url, None)) if args.url else app_server(app_args) as (url, pid):
+            require_loopback(url)
+            tallies = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds)
+            memory = f"\napp peak RSS: {peak_rss_gib(pid):.1f} GiB" if pid else ""
+        table = markdown_table([asdict(t) for t in tallies], COLUMNS) + memory
+        print(table)
+        for t in tallies:
+            for failure in t.failures:
+                print(f"  {t.kind}: {failure}", file=sys.stderr)
+        write_text(args.table, table + "\n")
+        write_text(args.json, json.dumps([asdict(t) for t in tallies], indent=1))
+        if any(t.as_expected < t.requests for t in tallies):
+            raise EngineError("some requests did not go as expected (listed above)")
+
+    return run_cli(chaos)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

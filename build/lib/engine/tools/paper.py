@@ -1,0 +1,103 @@
+"""``python -m engine.tools.paper``: the seed paper's experiments (arXiv 2311.04951) on this machine.
+
+1. the target drafting for itself at K=1: acceptance ~1 shows the mechanism is sound;
+2. autoregressive vs speculative at N=40 and N=100 new tokens, K from 1 to 8;
+3. the target at int8, int4 and fp16 (int4 draft), with KV-cache memory per model.
+Writes ``assets/paper_table.md`` and ``assets/paper_chart.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.cli import ASSETS, run_cli
+from engine.core.service import Engine
+from engine.prepare.convert import Compression
+from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, draft_compression, prepare_one
+from engine.tools import report
+from engine.tools.bench import add_prompt_arguments, load_prompts, run_bench, summarize
+from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
+
+
+def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[dict]:
+    runs = run_bench(engine, prompts, ["ar", "sd"], ks, n, {})
+    rows = summarize(runs)
+    kv = {r.mode: r.extra for r in runs}
+    for row in rows:
+        row.update(
+            setup=label,
+            n=n,
+            target_kv_kib=kv[row["mode"]]["target_kv_bytes"] / 1024,
+            draft_kv_kib=kv[row["mode"]]["draft_kv_bytes"] / 1024,
+        )
+    return rows
+
+
+def run_paper(args: argparse.Namespace) -> None:
+    cache = cache_dir_from_args(args)
+    prompts = load_prompts(args.prompts)[: args.limit or 2]
+    draft = prepare_one(args.draft, draft_compression(), cache).path
+    targets = {p: prepare_one(args.target, Compression(p), cache).path for p in ("int4", "int8", "fp16")}
+    rows: list[dict] = []
+
+    self_engine = Engine(targets["int4"], targets["int4"])
+    rows += _rows(self_engine, prompts, [1], 40, "target drafts for itself (int4)")
+    del self_engine
+
+    for precision, target in targets.items():
+        engine = Engine(target, draft)
+        ks = list(range(1, 9)) if precision == "int4" else [4]
+        for n in (40, 100):
+            rows += _rows(engine, prompts, ks, n, f"target {precision}, draft int4")
+        del engine
+
+    table = markdown_table(rows, COLUMNS)
+    print(table)
+    write_text(ASSETS / "paper_table.md", table + "\n")
+    _chart([r for r in rows if r["setup"] == "target int4, draft int4"], ASSETS / "paper_chart.png")
+    print(f"wrote {ASSETS / 'paper_table.md'} and {ASSETS / 'paper_chart.png'}")
+
+
+COLUMNS = [
+    Column("setup", "setup"),
+    Column("N", "n"),
+    report.MODE,
+    report.TOKENS_PER_S,
+    report.SPEEDUP,
+    report.ACCEPTANCE,
+    report.MEAN_ACCEPTED,
+    Column("target KV KiB", "target_kv_kib", "{:.0f}"),
+    Column("draft KV KiB", "draft_kv_kib", "{:.0f}"),
+]
+
+
+def _chart(rows: list[dict], out: Path) -> None:
+    series = []
+    for n, colour in ((40, "tab:blue"), (100, "tab:orange")):
+        sd = [r for r in rows if r["n"] == n and r["mode"].startswith("sd")]
+        ar = next(r for r in rows if r["n"] == n and r["mode"] == "ar")
+        series += [
+            Series(
+                f"speculative, N={n}",
+                [int(r["mode"].split("-k")[1]) for r in sd],
+                [r["tokens_per_s"] for r in sd],
+                colour,
+            ),
+            Series(f"autoregressive, N={n}", [], [ar["tokens_per_s"]], colour),
+        ]
+    line_chart(
+        series, out, "Qwen2.5-Coder 1.5B int4 target, 0.5B int4 draft, 2 CPU cores", "draft length K", "tokens/s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.paper", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    add_prompt_arguments(parser)
+    return run_cli(lambda: run_paper(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
