@@ -150,9 +150,18 @@ class Runtime:
         del self.tokens[keep:]
 
     def _gather(self, slots: np.ndarray) -> None:
-        """Keep only the cache entries at ``slots``: a copy of every state out and back in."""
+        """Keep only the cache entries at ``slots``: a copy of every state out and back in. A
+        prefix (every trim of a cache without holes) is set back as a view of what was read,
+        which saves a third of the copying (docs/design.md, "Rollback cost")."""
+        prefix = slots[-1] == len(slots) - 1
         for state in self.request.query_state():
-            state.state = ov.Tensor(np.take(state.state.data, slots, axis=2))
+            kept = state.state
+            if prefix:
+                shape = list(kept.shape)
+                kept = ov.Tensor(kept, [0] * len(shape), [*shape[:2], len(slots), *shape[3:]])
+            else:
+                kept = ov.Tensor(np.take(kept.data, slots, axis=2))
+            state.state = kept
         self._mask = np.ones(len(slots), dtype=np.int64)
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
