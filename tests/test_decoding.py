@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.core.decoding import DecodeConfig, decode
-from engine.core.drafters import HybridDrafter, LookupDrafter, ModelDrafter
+from engine.core.decoding import DecodeConfig, Pacer, decode
+from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.core.metrics import Stats
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
@@ -163,15 +163,16 @@ WARPED = SamplingParams(temperature=0.7, top_p=0.9)
 
 
 @pytest.mark.parametrize(
-    "kind, params",
-    [(kind, SamplingParams(1.0)) for kind in ("model", "small-head", "hybrid", "hybrid-span")]
-    + [("model", WARPED), ("hybrid", WARPED)],
+    "kind, params, paced",
+    [(kind, SamplingParams(1.0), False) for kind in ("model", "small-head", "hybrid", "hybrid-span")]
+    + [("model", WARPED, False), ("hybrid", WARPED, False), ("hybrid", SamplingParams(1.0), True)],
 )
-def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params):
+def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, paced):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
-    so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus)."""
+    so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
+    Paced, the round after that is a plain step (the pacer measures both kinds)."""
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
@@ -179,7 +180,9 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params):
     sd_counts: dict[tuple, int] = {}
     drafted = 0
     for seed in range(draws):
-        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=replace(params, seed=seed))
+        tokens, stats = run(
+            target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=replace(params, seed=seed), paced=paced
+        )
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
     assert drafted >= draws, "every run should have drafted in its second round"
@@ -385,3 +388,58 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_tar
     _tokens, stats = run(target, itself, prompt, k=4, max_new_tokens=41)
     assert stats.accepted == stats.drafted == 32
     assert stats.target_passes == 1 + 40 // 5  # the prompt, then K + 1 = 5 tokens per pass
+
+
+def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and_less():
+    pacer = Pacer()
+    kinds = []
+    for _ in range(200):
+        speculative = pacer.speculate()
+        kinds.append(speculative)
+        pacer.record(speculative, 0.3 if speculative else 0.1, 1)  # speculation three times dearer
+    assert kinds[:2] == [True, False]
+    plain_between_probes = np.diff([i for i, k in enumerate(kinds) if k]) - 1
+    assert list(plain_between_probes[:4]) == [9, 16, 32, 64] and set(plain_between_probes[4:]) == {64}
+
+
+def test_the_pacer_comes_back_to_speculation_when_it_pays_again():
+    pacer = Pacer()
+    for _ in range(40):  # plain is cheaper for a while: the probe interval grows
+        speculative = pacer.speculate()
+        pacer.record(speculative, 0.3 if speculative else 0.1, 1)
+    assert pacer.interval > pacer.min_interval
+    kinds = []
+    for _ in range(80):  # then drafts start to land (code after prose): speculation is cheaper
+        speculative = pacer.speculate()
+        kinds.append(speculative)
+        pacer.record(speculative, 0.2 if speculative else 0.1, 4 if speculative else 1)
+    assert kinds.index(True) <= 32 and sum(kinds[-40:]) >= 36  # back at the first probe, then mostly speculative
+
+
+def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pair, tok, monkeypatch):
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[3])
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, paced=True)
+    assert tokens == expected and stats.drafted > 0
+    slowed(monkeypatch, drafter.runtime, 0.02)  # a draft this slow never pays
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, paced=True)
+    assert tokens == expected
+    assert stats.plain_rounds >= 30 and stats.rounds - stats.plain_rounds <= 5  # the first round, 1 + probes
+
+
+def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, tok):
+    target, model = pair
+    drafter = ModelDrafter(model.runtime, window=16)
+    prompt = tok.encode(" ".join(PROMPTS * 8))[:100]  # the tiny model's context is 256
+    assert len(prompt) > SINK + 2 * 16
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
+    context = list(prompt)
+    target.reset()
+    drafter.runtime.reset()
+    for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=40), Stats("t")):
+        context += round_.tokens
+        view = drafter.view(context)
+        assert len(view) <= SINK + 2 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
+        assert drafter.runtime.tokens == view[: len(drafter.runtime.tokens)]  # what it caches is the view's prefix
+    assert context[len(prompt) :] == expected

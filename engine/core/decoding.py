@@ -45,6 +45,53 @@ class DecodeConfig:
     stop_ids: frozenset[int] = frozenset()
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
     progress: Callable[[], None] = lambda: None  # called after every prefill chunk
+    paced: bool = False  # speculate only while it pays (Pacer)
+
+
+@dataclass
+class Pacer:
+    """Whether a request's next round speculates: only while speculation pays, as measured.
+
+    Keeps the seconds per new token of the request's speculative rounds and of its plain target
+    steps (exponential averages; a round's time includes its rollback), and runs the cheaper
+    kind. The other kind runs once after ``interval`` rounds, so both figures follow the answer
+    (acceptance changes along it, costs grow with the context); a probe's measurement replaces
+    its kind's stale figure. A probe that confirms the order doubles the interval (up to
+    ``max_interval``: a probe of the slower kind costs time), one that reverses it resets it.
+    Speculation is measured first, then one plain step. Which kind runs changes the passes only:
+    every round's tokens follow the target's rule, so greedy output is the same and sampled
+    output keeps its distribution.
+    """
+
+    min_interval: int = 8
+    max_interval: int = 64
+    weight: float = 0.3
+    cost: dict[bool, float] = field(default_factory=dict)  # seconds per token; True: speculative
+    streak: int = 0  # rounds of the cheaper kind since the last probe
+    interval: int = 8
+
+    def _cheaper(self) -> bool:
+        return self.cost[True] <= self.cost[False]
+
+    def speculate(self) -> bool:
+        if len(self.cost) < 2:
+            return True not in self.cost
+        return self._cheaper() if self.streak < self.interval else not self._cheaper()
+
+    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
+        per_token = seconds / max(tokens, 1)
+        if len(self.cost) < 2 or speculative != self._cheaper():  # a first measurement, or a probe
+            was = self._cheaper() if len(self.cost) == 2 else None
+            self.cost[speculative] = per_token
+        else:  # the cheaper kind ran again
+            self.cost[speculative] += self.weight * (per_token - self.cost[speculative])
+            self.streak += 1
+            return
+        if was is None:
+            return
+        self.streak = 0
+        confirmed = self._cheaper() == was
+        self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
 
 
 @dataclass
@@ -65,6 +112,7 @@ def decode(
             f"Clear the chat or shorten the message."
         )
     speculative = config.speculative and drafter is not None and config.k > 0
+    pacer = Pacer() if config.paced else None
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
@@ -90,9 +138,11 @@ def decode(
             if not caught_up:
                 stats.finish_reason = "cancelled"
                 return
+        spec = speculative and stats.rounds > 0 and limit > 0 and (pacer is None or pacer.speculate())
+        round_start = time.perf_counter()
         round_ = (
             _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats)
-            if drafter is not None and speculative and stats.rounds and limit > 0
+            if drafter is not None and spec
             else _autoregressive_step(target, context, config.sampling, rng, stats)
         )
         stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)
@@ -103,6 +153,9 @@ def decode(
         target.trim(common_prefix(target.tokens, context))
         if drafter is not None:
             drafter.rollback(context)
+        if pacer is not None and stats.rounds > 0:
+            pacer.record(spec, time.perf_counter() - round_start, len(round_.tokens))
+            stats.plain_rounds += not spec
         stats.rounds += 1
         stats.add_tokens(len(round_.tokens))
         stats.target_kv_bytes = target.kv_cache_bytes

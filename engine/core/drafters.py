@@ -14,6 +14,10 @@ import numpy as np
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, sample
 
+# A windowed draft keeps this many tokens from the start of the conversation: the chat
+# template's header and the system prompt's first words, which say what kind of text follows.
+SINK = 32
+
 
 @dataclass
 class Draft:
@@ -98,16 +102,42 @@ class ModelDrafter:
     equals the guess, the second row is the draft's distribution for the token after it,
     exactly as the next step would compute it, so the step drafts two tokens. Where it
     differs, the guess is rolled back like any rejected token (by masking, for free).
+
+    With a ``window``, the draft model sees a long conversation's first :data:`SINK` tokens and
+    its last ``window`` to ``2 * window`` tokens only (:meth:`view`): what it drafts depends on
+    recent text, and a 3,000-token conversation would otherwise cost it a 3,000-token prefill
+    before its first draft and slower steps after (docs/design.md, "Long conversations").
     """
 
-    def __init__(self, runtime: Runtime, p_min: float = 0.0, adaptive: bool = False, vocab_size: int | None = None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        p_min: float = 0.0,
+        adaptive: bool = False,
+        vocab_size: int | None = None,
+        window: int | None = None,
+    ):
         """``vocab_size``: the target's vocabulary, when the draft head covers only a prefix of it."""
         self.runtime = runtime
         self.vocab_size = vocab_size or runtime.vocab_size
         self.p_min = p_min
         self.adaptive = adaptive
+        self.window = window
+        self._cut = 0  # where the view's tail starts (0: the view is the whole context)
         self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
         self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
+
+    def view(self, context: Sequence[int]) -> list[int]:
+        """What the draft model is shown of ``context``: all of it up to ``SINK + 2 * window``
+        tokens; past that, its first SINK tokens (the chat template's header) and its tail from a
+        cut that moves ``window`` tokens at a time, so that the view the draft caches stays a
+        prefix of the next one as the context grows."""
+        n = len(context)
+        if self.window is None or n <= SINK + 2 * self.window:
+            self._cut = 0
+        elif not SINK < self._cut < n or n - self._cut > 2 * self.window:
+            self._cut = n - self.window
+        return [*context[:SINK], *context[self._cut :]] if self._cut else list(context)
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
@@ -115,6 +145,7 @@ class ModelDrafter:
         tokens: list[int] = []
         rows = []
         done = False
+        context = self.view(context)
         while not done and len(tokens) < budget:
             sequence = [*context, *tokens]
             guess = self._guess(sequence)
@@ -147,7 +178,7 @@ class ModelDrafter:
         return probs
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
-        return self.runtime.feed(context, chunk)
+        return self.runtime.feed(self.view(context), chunk)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.adaptive and drafted:
@@ -155,7 +186,7 @@ class ModelDrafter:
             self.k = current + 2 if accepted == drafted else max(1, current - 1)
 
     def rollback(self, accepted: Sequence[int]) -> None:
-        self.runtime.trim(common_prefix(self.runtime.tokens, accepted))
+        self.runtime.trim(common_prefix(self.runtime.tokens, self.view(accepted)))
 
     @property
     def kv_cache_bytes(self) -> int:

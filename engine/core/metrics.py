@@ -27,6 +27,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    plain_rounds: int = 0  # rounds a paced request ran as plain steps (speculation did not pay)
     target_passes: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -60,6 +61,7 @@ class Stats:
             "accepted": self.accepted,
             "acceptance_rate": acceptance,
             "target_passes": self.target_passes,
+            "plain_rounds": self.plain_rounds,
             "mean_accepted_length": self.new_tokens / self.target_passes if self.target_passes else 0.0,
             "target_s": self.target_seconds,
             "draft_s": self.draft_seconds,

@@ -22,6 +22,9 @@ ADAPTIVE_P_MIN = 0.7
 BEST_K = 4
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
+# The draft model sees a long conversation's first tokens and its last DRAFT_WINDOW to
+# 2 * DRAFT_WINDOW tokens (ModelDrafter.view): a bounded prefill and bounded steps at any length.
+DRAFT_WINDOW = 256
 # Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
 # run costs only verify rows (a 17-token verify ~2x a one-token step; docs/benchmarks.md).
 LOOKUP_SPAN = 16
@@ -38,7 +41,7 @@ class DrafterParts:
     @cached_property
     def model(self) -> ModelDrafter:
         assert self.draft is not None
-        return ModelDrafter(self.draft, vocab_size=self.vocab_size)
+        return ModelDrafter(self.draft, vocab_size=self.vocab_size, window=DRAFT_WINDOW)
 
     @cached_property
     def hybrid(self) -> HybridDrafter:
@@ -46,7 +49,9 @@ class DrafterParts:
 
     def adaptive(self) -> ModelDrafter:
         assert self.draft is not None
-        return ModelDrafter(self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=self.vocab_size)
+        return ModelDrafter(
+            self.draft, p_min=ADAPTIVE_P_MIN, adaptive=True, vocab_size=self.vocab_size, window=DRAFT_WINDOW
+        )
 
     def lookup(self) -> LookupDrafter:
         return LookupDrafter(self.vocab_size, span=LOOKUP_SPAN)
@@ -61,6 +66,7 @@ class Mode:
     needs_draft_model: bool = True
     fixed_k: int | None = None  # a K of its own, whatever the request asks
     per_k: bool = True  # the bench runs it once per draft length it is given
+    paced: bool = False  # speculates only while it pays (decoding.Pacer)
 
     def k(self, requested: int) -> int:
         return self.fixed_k or requested
@@ -72,10 +78,11 @@ MODES: dict[str, Mode] = {
         Mode(
             "best",
             "best",
-            f"fastest measured here: prompt lookup, else the draft model, at K={BEST_K}",
+            f"fastest measured here: prompt lookup, else the draft model, at K={BEST_K}, only while it pays",
             lambda parts: parts.hybrid,
             fixed_k=BEST_K,
             per_k=False,
+            paced=True,
         ),
         Mode("speculative", "sd", "draft model", lambda parts: parts.model),
         Mode("adaptive", "adaptive", "draft model, stops when unsure, adaptive K", DrafterParts.adaptive),

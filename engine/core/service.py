@@ -379,6 +379,7 @@ class Engine:
             self.stop_ids,
             cancelled=cancel.is_set,
             progress=self._mark_progress,
+            paced=mode.paced,
         )
 
     def _mark_progress(self) -> None:

@@ -48,6 +48,7 @@ COLUMNS = [
     report.TOKENS_PER_S,
     report.SPEEDUP,
     Column("TTFT s", "ttft_s", "{:.2f}"),
+    Column("tokens/s after the first", "after_first_tokens_per_s", "{:.1f}"),
     report.ACCEPTANCE,
     report.MEAN_ACCEPTED,
     Column("identical to ar", "identical_to_ar", "{:.0%}"),
@@ -80,6 +81,13 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="a chat history of about this many tokens before each prompt (long-conversation figures)",
+    )
 
 
 def load_prompts(path: Path) -> list[tuple[str, str]]:
@@ -213,6 +221,8 @@ def summarize(runs: list[Run]) -> list[dict]:
                 "tokens_per_s": 1 / seconds_per_token(rs),
                 "speedup_vs_ar": speedup(ar, seconds_per_token(rs)),
                 "ttft_s": statistics.median(r.ttft_s for r in rs if r.ttft_s is not None),
+                "after_first_tokens_per_s": sum(r.new_tokens - 1 for r in rs)
+                / sum(r.wall_s - (r.ttft_s or 0.0) for r in rs),
                 "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
                 "mean_accepted_length": sum(r.new_tokens for r in rs) / passes if passes else None,
                 "identical_to_ar": sum(bool(r.identical_to_ar) for r in compared) / len(compared) if compared else None,
@@ -222,12 +232,31 @@ def summarize(runs: list[Run]) -> list[dict]:
     return rows
 
 
+def chat_history(engine: Engine, tokens: int) -> tuple[dict, ...]:
+    """A conversation of about ``tokens`` tokens to put before each prompt: this project's own
+    source pasted in a first turn, and a short reply (a coding chat a few turns in)."""
+    if not tokens:
+        return ()
+    source = "".join(p.read_text() for p in sorted(Path(__file__).resolve().parents[1].rglob("*.py")))
+    pasted = engine.text(engine.tokenizer.encode(source)[:tokens])
+    return (
+        {"role": "user", "content": f"Here is the code of my project:\n\n{pasted}"},
+        {"role": "assistant", "content": "I have read it. What would you like to know or change?"},
+    )
+
+
 def run_bench(
-    engine: Engine, prompts: list[tuple[str, str]], modes: list[str], ks: list[int], n: int, peers: dict[str, Peer]
+    engine: Engine,
+    prompts: list[tuple[str, str]],
+    modes: list[str],
+    ks: list[int],
+    n: int,
+    peers: dict[str, Peer],
+    history: tuple[dict, ...] = (),
 ) -> list[Run]:
     runs: list[Run] = []
     for prompt_id, prompt in prompts:
-        prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
+        prompt_ids = engine.prompt_ids(Request((*history, {"role": "user", "content": prompt})))
         ar = None
         for mode in modes:
             for k in ks if per_k(mode) else [ks[0]]:
@@ -289,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 for m in modes
                 if m in PEER_MODES
             }
-            runs = run_bench(engine, prompts, modes, [int(k) for k in args.k.split(",")], args.max_new_tokens, peers)
+            ks = [int(k) for k in args.k.split(",")]
+            runs = run_bench(engine, prompts, modes, ks, args.max_new_tokens, peers, chat_history(engine, args.history))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
