@@ -702,6 +702,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the longest conversation accepted, in tokens (default: 3/4 of the context)",
     )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=int(os.environ["SPECCHAT_MAX_SESSIONS"]) if os.environ.get("SPECCHAT_MAX_SESSIONS") else None,
+        help="conversations whose KV caches are kept, so their next turn prefills only what is new "
+        "(default: $SPECCHAT_MAX_SESSIONS, else what fits in half the free memory)",
+    )
     return parser.parse_args(argv)
 
 
@@ -709,7 +716,13 @@ def start_engine(args: argparse.Namespace) -> Engine:
     """Prepare the models (converting them on first use) and load them, once."""
     target, draft = prepare_from_args(args)
     logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
-    return Engine(target.path, draft.path, device=args.device, max_input_tokens=args.max_input_tokens)
+    return Engine(
+        target.path,
+        draft.path,
+        device=args.device,
+        max_input_tokens=args.max_input_tokens,
+        max_sessions=args.max_sessions,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,7 @@ def usage(metrics: dict) -> dict[str, Any]:
         "prompt_tokens": metrics["prompt_tokens"],
         "completion_tokens": metrics["new_tokens"],
         "total_tokens": metrics["prompt_tokens"] + metrics["new_tokens"],
+        "prompt_tokens_details": {"cached_tokens": metrics["cached_tokens"]},
         "drafted_tokens": metrics["drafted"],
         "accepted_tokens": metrics["accepted"],
         "acceptance_rate": metrics["acceptance_rate"],

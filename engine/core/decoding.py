@@ -116,6 +116,7 @@ def decode(
     rng = np.random.default_rng(config.sampling.seed)
     context = list(prompt)
     stats.prompt_tokens = len(prompt)
+    stats.cached_tokens = min(common_prefix(target.tokens, context), len(context) - 1)
     start, passes = time.perf_counter(), target.passes
     prefilled = _until_cancelled(target.feed(context, PREFILL_CHUNK), config)
     stats.target_seconds += time.perf_counter() - start

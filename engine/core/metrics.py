@@ -20,6 +20,7 @@ class Stats:
 
     mode: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the KV cache (not prefilled again)
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -53,6 +54,7 @@ class Stats:
         return {
             "mode": self.mode,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "wall_s": wall,
             "ttft_s": (self.first_token_at - self.start) if self.first_token_at else None,

@@ -7,6 +7,7 @@ states: nothing already computed is computed again.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -112,6 +113,19 @@ class Runtime:
         per = next((b for name, b in _KV_BYTES.items() if name in precision), 2)
         return 2 * layers * kv_heads * head_dim * per
 
+    def fork(self) -> Runtime:
+        """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
+        twin = copy.copy(self)
+        twin.request = self.compiled.create_infer_request()
+        twin.tokens = []
+        twin._mask = np.ones(0, dtype=np.int64)
+        twin.passes = 0
+        return twin
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes_per_token
+
     @property
     def slots(self) -> int:
         """Entries the cache holds, masked-out ones included."""
@@ -119,7 +133,7 @@ class Runtime:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.slots * self._kv_bytes_per_token
+        return self.slots * self.kv_bytes_per_token
 
     def warm_up(self) -> None:
         """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""

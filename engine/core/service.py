@@ -23,10 +23,12 @@ from typing import TypeVar
 from engine.core import chat
 from engine.core.chat import check_messages
 from engine.core.decoding import DecodeConfig, Provenance, decode
+from engine.core.drafters import Drafter
 from engine.core.metrics import Stats
 from engine.core.modes import MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
+from engine.core.sessions import SessionPool, default_capacity
 from engine.core.textstream import IncrementalDecoder, StopStrings
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
@@ -190,13 +192,15 @@ class Engine:
         draft_vocab: int | None = DRAFT_VOCAB,
         max_input_tokens: int | None = None,
         step_timeout: float = STEP_TIMEOUT,
+        max_sessions: int | None = None,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
         logits for the first N token ids only (None: all). ``max_input_tokens``: the longest
         prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
         without progress after which a stream fails and the engine reports itself unhealthy.
-        The two models must share one
+        ``max_sessions``: conversations whose KV caches are kept (default: what fits in half the
+        memory available at start, :mod:`engine.core.sessions`). The two models must share one
         vocabulary (``engine.prepare`` checks it)."""
 
         self.tokenizer = auto_tokenizer(target_dir)
@@ -215,15 +219,20 @@ class Engine:
             if draft_dir
             else None
         )
-        parts = DrafterParts(self.target.vocab_size, self.draft)
         self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
-        self.drafters = {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.warm_up()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.max_context = self.target.max_context
         self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
+        per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
+        self.sessions = SessionPool(
+            self.target,
+            self.draft,
+            self._drafters,
+            max_sessions or default_capacity(per_token, self.max_context),
+        )
         self.step_timeout = step_timeout
         self._progress_at = time.monotonic()
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -231,6 +240,11 @@ class Engine:
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
+
+    def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
+        """Every mode's drafter over one session's draft cache."""
+        parts = DrafterParts(self.target.vocab_size, draft)
+        return {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -333,15 +347,17 @@ class Engine:
             self._mark_progress()
             events.put(event)
 
+        # A cold-cache request (a benchmark's) empties the latest session rather than adding one.
+        session = self.sessions.take(prompt) if request.reuse_cache else self.sessions.sessions[-1]
         try:
             if not request.reuse_cache:
-                self.reset()
+                session.reset()
                 stats.start = time.perf_counter()
             detok = IncrementalDecoder(self.tokenizer)
             stops = StopStrings(request.stop_strings)
-            drafter = self.drafters.get(request.mode)
+            drafter = session.drafters.get(request.mode)
             config = self._decode_config(request, cancel)
-            for round_ in decode(self.target, drafter, prompt, config, stats):
+            for round_ in decode(session.target, drafter, prompt, config, stats):
                 pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
                 out += round_.tokens
                 delta, stopped = stops.push("".join(piece for piece, _ in pieces))
@@ -364,7 +380,7 @@ class Engine:
         except Exception:  # never let one request kill the worker, nor leave its caches half-written
             request_id = uuid.uuid4().hex[:8]
             log.exception("request %s failed (mode %s, %d prompt tokens)", request_id, request.mode, len(prompt))
-            self.reset()
+            session.reset()
             error = f"internal error (request {request_id}): the server log has the details; please try again"
             progress(Event("error", error=error, metrics=stats.snapshot(), token_ids=out))
 
@@ -386,10 +402,9 @@ class Engine:
         self._progress_at = time.monotonic()
 
     def reset(self) -> None:
-        """Empty both KV caches (worker thread only)."""
-        for runtime in (self.target, self.draft):
-            if runtime is not None:
-                runtime.reset()
+        """Empty every session's KV caches (worker thread only)."""
+        for session in self.sessions.sessions:
+            session.reset()
 
 
 def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:

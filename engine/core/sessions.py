@@ -1,0 +1,98 @@
+"""KV caches per conversation: several on one pair of compiled models, found by prefix.
+
+Each session is a target cache and a draft cache (one ``InferRequest`` each on the shared
+compiled models: the weights are loaded once) and the drafters built on them. A request goes to
+the session whose target cache holds the longest prefix of its prompt, so a follow-up turn
+prefills only its new suffix, whoever spoke in between; no session id is needed (an API client
+re-sends the conversation, as the UI does). A prompt that continues no session takes an empty
+one, else the least recently used one is emptied for it (its conversation re-prefills on its
+next turn, which the request's ``cached_tokens`` shows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.core.drafters import Drafter
+from engine.core.runtime import Runtime, common_prefix
+
+# A prompt continues a session when it repeats at least this share of what the session caches
+# (the rest: the last answer's tail, re-tokenized) and more than the chat template's header.
+CONTINUES = 0.5
+MIN_SHARED = 32
+MAX_SESSIONS = 32
+MEMORY_SHARE = 0.5  # of the memory available at start, for the sessions' KV caches
+
+
+@dataclass
+class Session:
+    target: Runtime
+    draft: Runtime | None
+    drafters: dict[str, Drafter]
+
+    def reset(self) -> None:
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.reset()
+
+
+class SessionPool:
+    """At most ``capacity`` sessions, most recently used last. ``build(target, draft)`` makes the
+    drafters of a session's runtimes."""
+
+    def __init__(
+        self,
+        target: Runtime,
+        draft: Runtime | None,
+        build: Callable[[Runtime | None], dict[str, Drafter]],
+        capacity: int,
+    ):
+        if capacity < 1:
+            raise ValueError(f"at least one session is needed, got {capacity}")
+        self.capacity = capacity
+        self._build = build
+        self.sessions = [Session(target, draft, build(draft))]
+
+    def take(self, prompt: list[int]) -> Session:
+        """The session for ``prompt``, moved to most recently used."""
+        shared = [common_prefix(s.target.tokens, prompt) for s in self.sessions]
+        best = max(range(len(shared)), key=lambda i: (shared[i], i))  # the latest on a tie
+        if not self._continues(self.sessions[best], shared[best]):
+            best = self._free()
+        session = self.sessions.pop(best)
+        self.sessions.append(session)
+        return session
+
+    @staticmethod
+    def _continues(session: Session, shared: int) -> bool:
+        cached = len(session.target.tokens)
+        return cached == 0 or (shared >= MIN_SHARED and shared >= CONTINUES * cached)
+
+    def _free(self) -> int:
+        """An empty session: an unused one, a new one while there is room, else the least
+        recently used one, emptied."""
+        empty = next((i for i, s in enumerate(self.sessions) if not s.target.tokens), None)
+        if empty is not None:
+            return empty
+        if len(self.sessions) < self.capacity:
+            base = self.sessions[0]
+            draft = base.draft.fork() if base.draft is not None else None
+            self.sessions.append(Session(base.target.fork(), draft, self._build(draft)))
+            return len(self.sessions) - 1
+        self.sessions[0].reset()
+        return 0
+
+
+def default_capacity(kv_bytes_per_token: int, max_tokens: int) -> int:
+    """As many sessions as fit in :data:`MEMORY_SHARE` of the memory available now, each with a
+    full ``max_tokens`` conversation in its caches (1 to :data:`MAX_SESSIONS`)."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = (
+            int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable"))) * 1024
+        )
+    except (OSError, StopIteration, ValueError):  # not Linux: a modest default
+        return 4
+    return max(1, min(MAX_SESSIONS, int(available * MEMORY_SHARE) // max(1, kv_bytes_per_token * max_tokens)))
