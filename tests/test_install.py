@@ -109,7 +109,8 @@ def test_a_space_build_installs_and_serves(fresh_venv, hf_target, hf_draft, tmp_
     listed = subprocess.run([python, "-m", "pip", "list"], capture_output=True, text=True, check=True).stdout
     assert "+cpu" in next(line for line in listed.splitlines() if line.startswith("torch "))  # no CUDA torch
     space = tmp_path / "space"
-    shutil.copytree(ROOT, space, ignore=shutil.ignore_patterns(".venv", ".git", "bench-results", "__pycache__"))
+    leave_out = shutil.ignore_patterns(".venv", ".git", "bench-results", "__pycache__", "build", "*.egg-info")
+    shutil.copytree(ROOT, space, ignore=leave_out)
     port = free_port()
     env = {  # what a Space sets, and the models chosen in its settings
         "GRADIO_SERVER_NAME": "0.0.0.0",

@@ -1,7 +1,0 @@
-"""``python -m engine.prepare``: fetch, verify, convert and compress a model pair (see pipeline)."""
-
-import sys
-
-from engine.prepare.pipeline import main
-
-sys.exit(main())
