@@ -65,6 +65,13 @@ def fresh_venv(tmp_path_factory) -> Path:
     return venv
 
 
+def checkout(folder: Path) -> Path:
+    """The repository's files as a fresh clone has them."""
+    leave_out = shutil.ignore_patterns(".venv", ".git", "bench-results", "__pycache__", "build", "*.egg-info")
+    shutil.copytree(ROOT, folder, ignore=leave_out)
+    return folder
+
+
 @contextmanager
 def serving(command: list[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen]:
     process = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd)
@@ -108,9 +115,7 @@ def test_a_space_build_installs_and_serves(fresh_venv, hf_target, hf_draft, tmp_
     python = fresh_venv / "bin" / "python"
     listed = subprocess.run([python, "-m", "pip", "list"], capture_output=True, text=True, check=True).stdout
     assert "+cpu" in next(line for line in listed.splitlines() if line.startswith("torch "))  # no CUDA torch
-    space = tmp_path / "space"
-    leave_out = shutil.ignore_patterns(".venv", ".git", "bench-results", "__pycache__", "build", "*.egg-info")
-    shutil.copytree(ROOT, space, ignore=leave_out)
+    space = checkout(tmp_path / "space")
     port = free_port()
     env = {  # what a Space sets, and the models chosen in its settings
         "GRADIO_SERVER_NAME": "0.0.0.0",
@@ -130,7 +135,8 @@ def test_a_space_build_installs_and_serves(fresh_venv, hf_target, hf_draft, tmp_
 @pytest.mark.install
 def test_pip_install_gives_the_specchat_command(fresh_venv, hf_target, hf_draft, tmp_path):
     python = fresh_venv / "bin" / "python"
-    install = subprocess.run([python, "-m", "pip", "install", "--quiet", ROOT], capture_output=True, text=True)
+    source = checkout(tmp_path / "source")  # pip builds in the source folder: not in this checkout
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", source], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
     specchat = fresh_venv / "bin" / "specchat"
     helped = subprocess.run([specchat, "--help"], capture_output=True, text=True, check=True).stdout
