@@ -80,18 +80,16 @@ class Pacer:
 
     def record(self, speculative: bool, seconds: float, tokens: int) -> None:
         per_token = seconds / max(tokens, 1)
-        if len(self.cost) < 2 or speculative != self._cheaper():  # a first measurement, or a probe
-            was = self._cheaper() if len(self.cost) == 2 else None
-            self.cost[speculative] = per_token
-        else:  # the cheaper kind ran again
+        if len(self.cost) == 2 and speculative == self._cheaper():  # the cheaper kind again
             self.cost[speculative] += self.weight * (per_token - self.cost[speculative])
             self.streak += 1
             return
-        if was is None:
-            return
-        self.streak = 0
-        confirmed = self._cheaper() == was
-        self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
+        order = self._cheaper() if len(self.cost) == 2 else None
+        self.cost[speculative] = per_token  # a first measurement, or a probe: the old figure is stale
+        if order is not None:
+            self.streak = 0
+            confirmed = self._cheaper() == order
+            self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
 
 
 @dataclass
