@@ -63,7 +63,9 @@ def engine(ir_target, ir_draft):
     """An engine on the tiny pair at f32, where speculative decoding must be exact."""
     from engine.core.service import Engine
 
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG)
+    # One session: the tests that inject faults or slowness patch engine.target, the one the
+    # requests must then use (tests/test_sessions.py has its own engine with two).
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1)
 
 
 @pytest.fixture(scope="session")

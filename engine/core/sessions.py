@@ -5,8 +5,8 @@ compiled models: the weights are loaded once) and the drafters built on them. A 
 the session whose target cache holds the longest prefix of its prompt, so a follow-up turn
 prefills only its new suffix, whoever spoke in between; no session id is needed (an API client
 re-sends the conversation, as the UI does). A prompt that continues no session takes an empty
-one, else the least recently used one is emptied for it (its conversation re-prefills on its
-next turn, which the request's ``cached_tokens`` shows).
+one, else the least recently used one is taken over (its conversation re-prefills on its next
+turn, which the request's ``cached_tokens`` shows).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class SessionPool:
         return cached == 0 or (shared >= MIN_SHARED and shared >= CONTINUES * cached)
 
     def _free(self) -> int:
-        """An empty session: an unused one, a new one while there is room, else the least
-        recently used one, emptied."""
+        """A session to overwrite: an unused one, a new one while there is room, else the least
+        recently used one (its cache is trimmed to what it shares with the prompt when used)."""
         empty = next((i for i, s in enumerate(self.sessions) if not s.target.tokens), None)
         if empty is not None:
             return empty
@@ -81,7 +81,6 @@ class SessionPool:
             draft = base.draft.fork() if base.draft is not None else None
             self.sessions.append(Session(base.target.fork(), draft, self._build(draft)))
             return len(self.sessions) - 1
-        self.sessions[0].reset()
         return 0
 
 
