@@ -5,6 +5,7 @@ and in an installed package alike)."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,3 +32,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -10,8 +10,9 @@ from gradio_client import Client
 
 import app
 from engine.api.openai import build_router
+from engine.cli import free_port
 from engine.core.service import Engine
-from tests.test_app import GREEDY, free_port, last_answer
+from tests.test_app import GREEDY, last_answer
 
 KEY = "sk-test-key"
 MODELS = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from gradio_client.exceptions import AppError
 
 import app
 from engine.api.openai import build_router
+from engine.cli import free_port
 from engine.core.service import Loading
 from engine.errors import PrepareError
 from engine.tools import chaos
@@ -31,12 +31,6 @@ GREEDY = {
     "max_new_tokens": 48,
     "seed": -1,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(engine, **kwargs):

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
+from engine.cli import free_port
 from engine.prepare import pipeline
-from tests.test_app import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN_TORCHVISION = 'raise RuntimeError("operator torchvision::nms does not exist")\n'

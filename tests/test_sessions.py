@@ -63,3 +63,12 @@ def test_the_default_pool_fits_the_memory_available(monkeypatch):
     assert 1 <= default_capacity(28 * 1024, 32768) <= MAX_SESSIONS
     assert default_capacity(1 << 40, 32768) == 1  # never less than one conversation
     assert default_capacity(1, 1) == MAX_SESSIONS
+
+
+def test_a_failure_to_find_a_session_ends_the_request_with_an_error(two_sessions, monkeypatch):
+    def out_of_memory(prompt):
+        raise RuntimeError("cannot allocate an infer request")
+
+    monkeypatch.setattr(two_sessions.sessions, "take", out_of_memory)
+    final = two_sessions.run(Request(({"role": "user", "content": "hi"},), max_new_tokens=4))
+    assert final.kind == "error" and "internal error" in final.error  # not a stream left waiting

@@ -123,21 +123,19 @@ class ModelDrafter:
         self.p_min = p_min
         self.adaptive = adaptive
         self.window = window
-        self._cut = 0  # where the view's tail starts (0: the view is the whole context)
         self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
         self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
 
     def view(self, context: Sequence[int]) -> list[int]:
         """What the draft model is shown of ``context``: all of it up to ``SINK + 2 * window``
-        tokens; past that, its first SINK tokens (the chat template's header) and its tail from a
-        cut that moves ``window`` tokens at a time, so that the view the draft caches stays a
-        prefix of the next one as the context grows."""
-        n = len(context)
-        if self.window is None or n <= SINK + 2 * self.window:
-            self._cut = 0
-        elif not SINK < self._cut < n or n - self._cut > 2 * self.window:
-            self._cut = n - self.window
-        return [*context[:SINK], *context[self._cut :]] if self._cut else list(context)
+        tokens; past that, its first SINK tokens (the chat template's header) and its last
+        ``window`` to ``2 * window`` tokens, cut at a multiple of ``window`` after the header, so
+        that the view the draft caches stays a prefix of the next one as the context grows."""
+        w, after_header = self.window, len(context) - SINK
+        if w is None or after_header <= 2 * w:
+            return list(context)
+        cut = SINK + (after_header - w) // w * w
+        return [*context[:SINK], *context[cut:]]
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()

@@ -117,9 +117,8 @@ class Runtime:
         """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
         twin = copy.copy(self)
         twin.request = self.compiled.create_infer_request()
-        twin.tokens = []
-        twin._mask = np.ones(0, dtype=np.int64)
         twin.passes = 0
+        twin.reset()
         return twin
 
     @property

@@ -347,9 +347,10 @@ class Engine:
             self._mark_progress()
             events.put(event)
 
-        # A cold-cache request (a benchmark's) empties the latest session rather than adding one.
-        session = self.sessions.take(prompt) if request.reuse_cache else self.sessions.sessions[-1]
+        session = None
         try:
+            # A cold-cache request (a benchmark's) empties the latest session rather than adding one.
+            session = self.sessions.take(prompt) if request.reuse_cache else self.sessions.sessions[-1]
             if not request.reuse_cache:
                 session.reset()
                 stats.start = time.perf_counter()
@@ -380,7 +381,8 @@ class Engine:
         except Exception:  # never let one request kill the worker, nor leave its caches half-written
             request_id = uuid.uuid4().hex[:8]
             log.exception("request %s failed (mode %s, %d prompt tokens)", request_id, request.mode, len(prompt))
-            session.reset()
+            if session is not None:
+                session.reset()
             error = f"internal error (request {request_id}): the server log has the details; please try again"
             progress(Event("error", error=error, metrics=stats.snapshot(), token_ids=out))
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
-from engine.hf import hide_unloadable_torchvision
+from engine.hf import auto_tokenizer, hide_unloadable_torchvision
 
 PRECISIONS = ("int4", "int8", "fp16")
 
@@ -83,10 +83,10 @@ def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
 
 def _dequantize_main(gguf: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     print(f"dequantizing {gguf.name} (transformers GGUF loader)", file=sys.stderr, flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = auto_tokenizer(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

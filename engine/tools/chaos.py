@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from engine.cli import CODING_PROMPTS, is_loopback, run_cli
+from engine.cli import CODING_PROMPTS, free_port, is_loopback, run_cli
 from engine.errors import EngineError
 from engine.tools.bench import load_prompts
 from engine.tools.report import Column, markdown_table, write_text
@@ -215,9 +214,7 @@ def peak_rss_gib(pid: int) -> float:
 @contextlib.contextmanager
 def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[str, int]]:
     """``python app.py`` on a free loopback port, until the block ends: (its URL, its pid)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen(
         [sys.executable, str(root / "app.py"), "--host", "127.0.0.1", "--port", str(port), *app_args],

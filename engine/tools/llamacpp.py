@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -25,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from engine.cli import free_port
 from engine.errors import EngineError
 from engine.prepare import sources
 from engine.prepare.pipeline import cache_dir_from_args, local_source, log
@@ -109,7 +109,7 @@ class LlamaCppPeer:
     def __init__(self, binary: Path, model: Path, draft: Path | None = None, threads: int | None = None):
         if not binary.exists():
             raise EngineError(f"{binary} does not exist: build it with `python -m engine.tools.llamacpp` (about 5 min)")
-        self.port = _free_port()
+        self.port = free_port()
         threads = threads or os.cpu_count() or 1
         command = [
             str(binary),
@@ -183,12 +183,6 @@ class LlamaCppPeer:
             self.process.terminate()
             self.process.wait(timeout=30)
         self.log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
