@@ -98,72 +98,132 @@ class Round:
     provenance: list[Provenance]
 
 
+class Decoder:
+    """One request's decoding state: its context, counters, sampler and pacer. ``prefill`` fills
+    the target's cache with the prompt; then each :meth:`round` (alone on the request's own
+    caches) or :meth:`take` (a row of a batched target pass) adds a round's tokens, until
+    :attr:`done`. Either way every token follows the target's rule, so a request can move
+    between the two at any round boundary."""
+
+    def __init__(
+        self, target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
+    ):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= target.max_context:
+            raise ContextLimitError(
+                f"the conversation is {len(prompt)} tokens long; the model's context holds {target.max_context}. "
+                f"Clear the chat or shorten the message."
+            )
+        self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
+        self.speculative = config.speculative and drafter is not None and config.k > 0
+        self.pacer = Pacer() if config.paced else None
+        self.rng = np.random.default_rng(config.sampling.seed)
+        self.context = list(prompt)
+        self.done = False
+        stats.prompt_tokens = len(prompt)
+        stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
+
+    def prefill(self) -> Iterator[None]:
+        """The prompt's passes but the last (which gives the first token's logits), in chunks;
+        yields after each, so a caller can stop between them."""
+        passes = self.target.feed(self.context, PREFILL_CHUNK)
+        while True:
+            start, before = time.perf_counter(), self.target.passes
+            more = next(passes, None) is not None
+            self.stats.target_seconds += time.perf_counter() - start
+            self.stats.target_passes += self.target.passes - before
+            if not more:
+                return
+            yield
+
+    def room(self) -> int:
+        """Drafted tokens that fit in this round (the budget and the context); marks the request
+        :attr:`done` when not even the round's own token fits."""
+        left = min(self.config.max_new_tokens - self.stats.new_tokens, self.target.max_context - len(self.context))
+        if left <= 0:
+            self.stats.finish_reason = "length" if self.stats.new_tokens >= self.config.max_new_tokens else "context"
+            self.done = True
+        return left - 1
+
+    def catch_up(self) -> Iterator[None]:
+        """The draft's own long prefill, before the first speculative round (in chunks)."""
+        if not (self.speculative and self.drafter is not None and self.stats.rounds == 1):
+            return
+        start = time.perf_counter()
+        yield from self.drafter.catch_up(self.context, PREFILL_CHUNK)
+        self.stats.draft_seconds += time.perf_counter() - start
+
+    def round(self) -> Round:
+        """One round on the request's own caches: speculative (while it pays, when paced) or a
+        plain target step. The first round is a plain step over the prompt in every mode, so the
+        target runs the same passes in every mode (docs/design.md, "Why greedy speculative output
+        is exact")."""
+        limit = self.room()
+        pacer, drafter = self.pacer, self.drafter
+        spec = self.speculative and self.stats.rounds > 0 and limit > 0 and (pacer is None or pacer.speculate())
+        start = time.perf_counter()
+        if drafter is not None and spec:
+            round_ = _speculative_round(
+                self.target, drafter, self.context, self.config.k, limit, self.config.sampling, self.rng, self.stats
+            )
+        else:
+            logits = _target_logits(self.target, self.context, 1, self.stats)
+            round_ = self._plain(logits[-1])
+        round_ = self._accept(round_)
+        # Roll both caches back to the accepted prefix (rejected drafts leave no trace).
+        self.target.trim(common_prefix(self.target.tokens, self.context))
+        if drafter is not None:
+            drafter.rollback(self.context)
+        if pacer is not None and self.stats.rounds > 1:
+            pacer.record(spec, time.perf_counter() - start, len(round_.tokens))
+            self.stats.plain_rounds += not spec
+        return round_
+
+    def take(self, logits: np.ndarray, seconds: float) -> Round:
+        """A plain round from the logits of this request's row in a batched target pass (which fed
+        the context's last token); ``seconds``: that pass's time."""
+        self.room()
+        self.stats.target_seconds += seconds
+        self.stats.target_passes += 1
+        self.stats.plain_rounds += self.stats.rounds > 0 and self.speculative
+        return self._accept(self._plain(logits))
+
+    def _plain(self, logits: np.ndarray) -> Round:
+        return Round([next_token(logits, self.config.sampling, self.rng)], [Provenance.AUTOREGRESSIVE])
+
+    def _accept(self, round_: Round) -> Round:
+        """Cut the round at a stop token, add it to the context and the counters."""
+        stop_at = next((i for i, t in enumerate(round_.tokens) if t in self.config.stop_ids), None)
+        if stop_at is not None:
+            round_ = Round(round_.tokens[:stop_at], round_.provenance[:stop_at])
+            self.stats.finish_reason = "stop"
+            self.done = True
+        self.context += round_.tokens
+        self.stats.rounds += 1
+        self.stats.add_tokens(len(round_.tokens))
+        self.stats.target_kv_bytes = self.target.kv_cache_bytes
+        self.stats.draft_kv_bytes = self.drafter.kv_cache_bytes if self.drafter is not None else 0
+        if not self.done:
+            self.room()
+        return round_
+
+
 def decode(
     target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
 ) -> Iterator[Round]:
-    """Yield the tokens of each round until a stop token, the token budget or the context limit."""
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if len(prompt) >= target.max_context:
-        raise ContextLimitError(
-            f"the conversation is {len(prompt)} tokens long; the model's context holds {target.max_context}. "
-            f"Clear the chat or shorten the message."
-        )
-    speculative = config.speculative and drafter is not None and config.k > 0
-    pacer = Pacer() if config.paced else None
-    rng = np.random.default_rng(config.sampling.seed)
-    context = list(prompt)
-    stats.prompt_tokens = len(prompt)
-    stats.cached_tokens = min(common_prefix(target.tokens, context), len(context) - 1)
-    start, passes = time.perf_counter(), target.passes
-    prefilled = _until_cancelled(target.feed(context, PREFILL_CHUNK), config)
-    stats.target_seconds += time.perf_counter() - start
-    stats.target_passes += target.passes - passes
-    if not prefilled:
+    """Yield the tokens of each round until a stop token, the token budget or the context limit,
+    on the request's own caches."""
+    decoder = Decoder(target, drafter, prompt, config, stats)
+    if not _until_cancelled(decoder.prefill(), config):
         stats.finish_reason = "cancelled"
         return
-    while stats.new_tokens < config.max_new_tokens:
-        room = target.max_context - len(context)
-        if room <= 0:
-            stats.finish_reason = "context"
+    decoder.room()
+    while not decoder.done:
+        if not _until_cancelled(decoder.catch_up(), config):
+            stats.finish_reason = "cancelled"
             return
-        # The first round is a plain step over the prompt in every mode, so the target runs the
-        # same passes in every mode (docs/design.md, "Why greedy speculative output is exact").
-        limit = min(config.max_new_tokens - stats.new_tokens - 1, room - 1)  # drafted tokens that fit
-        if speculative and drafter is not None and stats.rounds == 1:  # the draft's own long prefill
-            start = time.perf_counter()
-            caught_up = _until_cancelled(drafter.catch_up(context, PREFILL_CHUNK), config)
-            stats.draft_seconds += time.perf_counter() - start
-            if not caught_up:
-                stats.finish_reason = "cancelled"
-                return
-        spec = speculative and stats.rounds > 0 and limit > 0 and (pacer is None or pacer.speculate())
-        round_start = time.perf_counter()
-        round_ = (
-            _speculative_round(target, drafter, context, config.k, limit, config.sampling, rng, stats)
-            if drafter is not None and spec
-            else _autoregressive_step(target, context, config.sampling, rng, stats)
-        )
-        stop_at = next((i for i, t in enumerate(round_.tokens) if t in config.stop_ids), None)
-        if stop_at is not None:
-            round_ = Round(round_.tokens[:stop_at], round_.provenance[:stop_at])
-        context += round_.tokens
-        # Roll both caches back to the accepted prefix (rejected drafts leave no trace).
-        target.trim(common_prefix(target.tokens, context))
-        if drafter is not None:
-            drafter.rollback(context)
-        if pacer is not None and stats.rounds > 0:
-            pacer.record(spec, time.perf_counter() - round_start, len(round_.tokens))
-            stats.plain_rounds += not spec
-        stats.rounds += 1
-        stats.add_tokens(len(round_.tokens))
-        stats.target_kv_bytes = target.kv_cache_bytes
-        stats.draft_kv_bytes = drafter.kv_cache_bytes if drafter is not None else 0
-        yield round_
-        if stop_at is not None:
-            stats.finish_reason = "stop"
-            return
-    stats.finish_reason = "length"
+        yield decoder.round()
 
 
 def _until_cancelled(passes: Iterator[None], config: DecodeConfig) -> bool:
@@ -182,13 +242,6 @@ def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) 
     stats.target_seconds += time.perf_counter() - start
     stats.target_passes += 1
     return logits
-
-
-def _autoregressive_step(
-    target: Runtime, context: list[int], params: SamplingParams, rng: np.random.Generator, stats: Stats
-) -> Round:
-    logits = _target_logits(target, context, 1, stats)
-    return Round([next_token(logits[-1], params, rng)], [Provenance.AUTOREGRESSIVE])
 
 
 def _speculative_round(
