@@ -66,7 +66,7 @@ def test_the_default_pool_fits_the_memory_available(monkeypatch):
 
 
 def test_a_failure_to_find_a_session_ends_the_request_with_an_error(two_sessions, monkeypatch):
-    def out_of_memory(prompt):
+    def out_of_memory(prompt, busy=()):
         raise RuntimeError("cannot allocate an infer request")
 
     monkeypatch.setattr(two_sessions.sessions, "take", out_of_memory)

@@ -35,6 +35,7 @@ class Stats:
     target_kv_bytes: int = 0
     draft_kv_bytes: int = 0
     finish_reason: str = ""
+    batch_size: int = 1  # requests in the last round's target pass
 
     def add_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -72,4 +73,5 @@ class Stats:
             "target_kv_bytes": self.target_kv_bytes,
             "draft_kv_bytes": self.draft_kv_bytes,
             "finish_reason": self.finish_reason,
+            "batch_size": self.batch_size,
         }

@@ -177,6 +177,20 @@ class Runtime:
             state.state = kept
         self._mask = np.ones(len(slots), dtype=np.int64)
 
+    def hold(self, tokens: Sequence[int]) -> None:
+        """Make the cache hold exactly ``tokens`` (trim to the shared prefix, one pass over the rest)."""
+        self.trim(common_prefix(self.tokens, tokens))
+        if len(tokens) > len(self.tokens):
+            self.forward(tokens[len(self.tokens) :])
+
+    def load(self, tokens: Sequence[int], states: dict[str, np.ndarray]) -> None:
+        """Set the cache to ``states`` (by state name), which hold ``tokens``: a copy, e.g. of a
+        batch row."""
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.ascontiguousarray(states[state.name]))
+        self.tokens = list(tokens)
+        self._mask = np.ones(len(self.tokens), dtype=np.int64)
+
     def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
         """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them."""
         if self.first_token_alone and not self.tokens and len(new_tokens) > 1:

@@ -1,8 +1,12 @@
 """The engine the app and the bench talk to: two models, one worker thread, streamed events.
 
-Every piece of work runs on the single worker thread, in arrival order, so the KV
-caches are never touched by two requests at once; callers wait in the queue and
-read their own request's events only.
+Every piece of work runs on the single worker thread, so the KV caches are never touched by two
+requests at once; callers read their own request's events only. The worker serves up to
+``max_batch`` requests together (the scheduler below): each iteration runs one prefill chunk of
+a request still reading its prompt, then advances the requests that are generating: one alone
+runs speculative rounds on its own caches; several run one batched target pass together
+(:mod:`engine.core.batch`), where one pass costs little more than a single row's and
+speculation no longer pays (docs/design.md, "Batching"). Further requests wait in the queue.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from engine.core import chat
+from engine.core.batch import Batch
 from engine.core.chat import check_messages
-from engine.core.decoding import DecodeConfig, Provenance, decode
+from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.drafters import Drafter
 from engine.core.metrics import Stats
 from engine.core.modes import MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
-from engine.core.sessions import SessionPool, default_capacity
+from engine.core.sessions import Session, SessionPool, default_capacity
 from engine.core.textstream import IncrementalDecoder, StopStrings
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
@@ -50,6 +55,9 @@ MAX_K = 16
 # Seconds a request may go without progress (a round, a prefill chunk) before its stream fails
 # and the engine reports itself unhealthy.
 STEP_TIMEOUT = 120.0
+# Requests served together; more wait in the queue. On this machine a batched step over 8 rows
+# costs 1.4x a single row's (docs/design.md, "Batching").
+MAX_BATCH = 8
 log = logging.getLogger("specchat.engine")
 
 
@@ -181,6 +189,27 @@ class Stream:
         self._ended = True
 
 
+@dataclass(eq=False)
+class _Job:
+    """A request the scheduler serves: what it asked, where its events go, how far it is."""
+
+    request: Request
+    prompt: list[int]
+    events: queue.Queue
+    cancel: threading.Event
+    stats: Stats
+    session: Session | None = None
+    decoder: Decoder | None = None
+    prefill: Iterator[None] | None = None  # the prompt's remaining passes; None once read
+    detok: IncrementalDecoder | None = None
+    stops: StopStrings | None = None
+    out: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> int:
+        return id(self)
+
+
 class Engine:
     def __init__(
         self,
@@ -235,7 +264,10 @@ class Engine:
         )
         self.step_timeout = step_timeout
         self._progress_at = time.monotonic()
-        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.max_batch = min(MAX_BATCH, self.sessions.capacity)
+        self._batch = Batch(self.target)
+        self._serving: list[_Job] = []  # started, not finished (worker thread only)
+        self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()
         self._busy = threading.Lock()
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
@@ -249,13 +281,27 @@ class Engine:
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            self._admit()
             with self._busy:
                 self._progress_at = time.monotonic()
                 try:
-                    job()
-                except BaseException:  # a job's own handler failed too: log it, keep serving
-                    log.exception("an engine job failed outside its request's handling")
+                    self._advance()
+                except BaseException:  # a failure outside any request's handling: log it, keep serving
+                    log.exception("the scheduler failed outside a request's handling")
+
+    def _admit(self) -> None:
+        """Start queued requests while there is room (waiting for one when idle); run the
+        queued tool jobs (:meth:`with_models`) as they come."""
+        while len(self._serving) < self.max_batch:
+            try:
+                item = self._jobs.get(block=not self._serving)
+            except queue.Empty:
+                return
+            if isinstance(item, _Job):
+                self._start(item)
+            else:
+                with self._busy:
+                    item()
 
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
         """Run ``fn(target, draft)`` on the worker thread, after the queued work, and return its
@@ -286,7 +332,17 @@ class Engine:
     @property
     def pending(self) -> int:
         """Requests waiting for or using the engine."""
-        return self._jobs.qsize() + (1 if self._busy.locked() else 0)
+        return self._jobs.qsize() + len(self._serving)
+
+    @property
+    def serving(self) -> int:
+        """Requests the engine is serving together."""
+        return len(self._serving)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued until one being served ends (only while the engine is full)."""
+        return self._jobs.qsize()
 
     # -- generation -------------------------------------------------------------------------
     def check(self, request: Request) -> list[int]:
@@ -329,7 +385,7 @@ class Engine:
         except EngineError as exc:
             return Stream.refused(str(exc), request.mode)
         stream = Stream(self.step_timeout, lambda: self.healthy)
-        self._jobs.put(lambda: self._run(request, prompt, stream._events, stream._cancel))
+        self._jobs.put(_Job(request, prompt, stream._events, stream._cancel, Stats(request.mode)))
         return stream
 
     def run(self, request: Request) -> Event:
@@ -339,52 +395,139 @@ class Engine:
                 return event
         raise EngineError("generation ended without a final event")
 
-    def _run(self, request: Request, prompt: list[int], events: queue.Queue, cancel: threading.Event) -> None:
-        stats = Stats(request.mode)
-        out: list[int] = []
+    # -- the scheduler (worker thread) ------------------------------------------------------
+    def _start(self, job: _Job) -> None:
+        def start() -> None:
+            busy = [j.session for j in self._serving if j.session is not None]
+            # A cold-cache request (a benchmark's) empties the session it gets.
+            job.session = self.sessions.take(job.prompt if job.request.reuse_cache else [], busy)
+            if not job.request.reuse_cache:
+                job.session.reset()
+                job.stats.start = time.perf_counter()
+            config = self._decode_config(job.request, job.cancel)
+            drafter = job.session.drafters.get(job.request.mode)
+            job.decoder = Decoder(job.session.target, drafter, job.prompt, config, job.stats)
+            job.prefill = job.decoder.prefill()
+            job.detok = IncrementalDecoder(self.tokenizer)
+            job.stops = StopStrings(job.request.stop_strings)
 
-        def progress(event: Event) -> None:
+        self._serving.append(job)
+        self._guard([job], start)
+
+    def _advance(self) -> None:
+        """One iteration: a prefill chunk for the oldest request still reading its prompt, then
+        one round of every request that is generating (together when there are several)."""
+        reading = [j for j in self._serving if j.prefill is not None]
+        if reading:
+            self._guard(reading[:1], lambda: self._read_prompt(reading[0]))
+        generating = [j for j in self._serving if j.prefill is None]
+        if len(generating) == 1:
+            self._guard(generating, lambda: self._alone(generating[0]))
+        elif generating:
+            self._guard(generating, lambda: self._together(generating))
+
+    def _read_prompt(self, job: _Job) -> None:
+        assert job.prefill is not None and job.decoder is not None
+        if next(job.prefill, None) is None:
+            job.prefill = None
+            job.decoder.room()
+        self._mark_progress()
+        if job.cancel.is_set():
+            self._finish(job, "cancelled")
+        elif job.decoder.done:  # no room left for even one token
+            self._finish(job, job.stats.finish_reason)
+
+    def _alone(self, job: _Job) -> None:
+        """A speculative round (or a plain step, while speculation does not pay) on the
+        request's own caches."""
+        assert job.decoder is not None
+        if job.key in self._batch:
+            self._batch.leave(job.key)
+        for _ in job.decoder.catch_up():
             self._mark_progress()
-            events.put(event)
+            if job.cancel.is_set():
+                self._finish(job, "cancelled")
+                return
+        self._emit(job, job.decoder.round(), batch_size=1)
 
-        session = None
+    def _together(self, jobs: list[_Job]) -> None:
+        """One batched target pass over every generating request; each takes its own token."""
+        joining = [j for j in jobs if j.key not in self._batch]
+        for job in joining:
+            assert job.decoder is not None and job.session is not None
+            job.session.target.hold(job.decoder.context[:-1])
+        if joining:
+            self._batch.join([(j.key, j.session.target) for j in joining])  # type: ignore[union-attr]
+        order = {row.key: i for i, row in enumerate(self._batch.rows)}
+        jobs = sorted(jobs, key=lambda j: order[j.key])
+        logits = self._batch.step([j.decoder.context[-1] for j in jobs])  # type: ignore[union-attr]
+        for job, row in zip(jobs, logits):
+            assert job.decoder is not None
+            self._emit(job, job.decoder.take(row, self._batch.last_seconds), batch_size=len(jobs))
+
+    def _emit(self, job: _Job, round_: Round, batch_size: int) -> None:
+        """Stream a round's text; end the request at a stop string, a cancel or the decoder's end."""
+        assert job.decoder is not None and job.detok is not None and job.stops is not None
+        job.stats.batch_size = batch_size
+        pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
+        job.out += round_.tokens
+        delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
+        self._put(job, Event("delta", delta, pieces, job.stats.snapshot()))
+        if stopped:
+            self._finish(job, "stop")
+        elif job.cancel.is_set():
+            self._finish(job, "cancelled")
+        elif job.decoder.done:
+            tail, stopped = job.stops.push(job.detok.flush())
+            tail += "" if stopped else job.stops.flush()
+            if tail:
+                self._put(job, Event("delta", tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
+            self._finish(job, "stop" if stopped else job.stats.finish_reason)
+
+    def _finish(self, job: _Job, reason: str, error: str = "") -> None:
+        """End a request: its batch row goes back to its own cache, its last event is sent."""
+        if job.key in self._batch:
+            self._batch.leave(job.key, write_back=not error)
+        job.stats.finish_reason = reason
+        self._serving.remove(job)
+        if error:
+            self._put(job, Event("error", error=error, metrics=job.stats.snapshot(), token_ids=job.out))
+        else:
+            self._put(job, Event("done", metrics=job.stats.snapshot(), token_ids=job.out))
+
+    def _guard(self, jobs: list[_Job], work: Callable[[], None]) -> None:
+        """Run ``work`` for ``jobs``; a failure ends those requests only, with a clear message
+        (an unexpected one with an id to find its traceback in the log, and their caches reset)."""
         try:
-            # A cold-cache request (a benchmark's) empties the latest session rather than adding one.
-            session = self.sessions.take(prompt) if request.reuse_cache else self.sessions.sessions[-1]
-            if not request.reuse_cache:
-                session.reset()
-                stats.start = time.perf_counter()
-            detok = IncrementalDecoder(self.tokenizer)
-            stops = StopStrings(request.stop_strings)
-            drafter = session.drafters.get(request.mode)
-            config = self._decode_config(request, cancel)
-            for round_ in decode(session.target, drafter, prompt, config, stats):
-                pieces = [(detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
-                out += round_.tokens
-                delta, stopped = stops.push("".join(piece for piece, _ in pieces))
-                progress(Event("delta", delta, pieces, stats.snapshot()))
-                if stopped:
-                    stats.finish_reason = "stop"
-                    break
-                if cancel.is_set():
-                    stats.finish_reason = "cancelled"
-                    break
-            else:
-                tail, stopped = stops.push(detok.flush())
-                tail += "" if stopped else stops.flush()
-                stats.finish_reason = "stop" if stopped else stats.finish_reason
-                if tail:
-                    progress(Event("delta", tail, [(tail, Provenance.TARGET.value)], stats.snapshot()))
-            progress(Event("done", metrics=stats.snapshot(), token_ids=out))
+            work()
         except EngineError as exc:
-            progress(Event("error", error=str(exc), metrics=stats.snapshot(), token_ids=out))
-        except Exception:  # never let one request kill the worker, nor leave its caches half-written
+            for job in jobs:
+                self._fail(job, str(exc))
+        except Exception:  # never let a request kill the worker, nor leave its caches half-written
             request_id = uuid.uuid4().hex[:8]
-            log.exception("request %s failed (mode %s, %d prompt tokens)", request_id, request.mode, len(prompt))
-            if session is not None:
-                session.reset()
-            error = f"internal error (request {request_id}): the server log has the details; please try again"
-            progress(Event("error", error=error, metrics=stats.snapshot(), token_ids=out))
+            log.exception(
+                "request %s failed (%d request(s) in the step, modes %s, prompts of %s tokens)",
+                request_id,
+                len(jobs),
+                ",".join(sorted({j.request.mode for j in jobs})),
+                ",".join(str(len(j.prompt)) for j in jobs),
+            )
+            if any(j.key in self._batch for j in jobs):
+                for job in [j for j in self._serving if j.key in self._batch and j not in jobs]:
+                    self._batch.leave(job.key)  # the others' rows were not touched by the failed pass
+                self._batch.reset()
+            for job in jobs:
+                if job.session is not None:
+                    job.session.reset()
+                self._fail(job, f"internal error (request {request_id}): the server log has the details; try again")
+
+    def _fail(self, job: _Job, error: str) -> None:
+        if job in self._serving:
+            self._finish(job, "error", error)
+
+    def _put(self, job: _Job, event: Event) -> None:
+        self._mark_progress()
+        job.events.put(event)
 
     def _decode_config(self, request: Request, cancel: threading.Event) -> DecodeConfig:
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
@@ -468,6 +611,14 @@ class Loading:
     @property
     def pending(self) -> int:
         return self.engine.pending if self.engine is not None else 0
+
+    @property
+    def serving(self) -> int:
+        return self.engine.serving if self.engine is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting if self.engine is not None else 0
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ turn, which the request's ``cached_tokens`` shows).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +55,14 @@ class SessionPool:
         self._build = build
         self.sessions = [Session(target, draft, build(draft))]
 
-    def take(self, prompt: list[int]) -> Session:
-        """The session for ``prompt``, moved to most recently used."""
-        shared = [common_prefix(s.target.tokens, prompt) for s in self.sessions]
-        best = max(range(len(shared)), key=lambda i: (shared[i], i))  # the latest on a tie
-        if not self._continues(self.sessions[best], shared[best]):
-            best = self._free()
+    def take(self, prompt: list[int], busy: Collection[Session] = ()) -> Session:
+        """The session for ``prompt``, moved to most recently used; never one of ``busy`` (those
+        serving other requests: the caller keeps fewer requests going than :attr:`capacity`)."""
+        free = [i for i, s in enumerate(self.sessions) if not any(s is b for b in busy)]
+        shared = {i: common_prefix(self.sessions[i].target.tokens, prompt) for i in free}
+        best = max(shared, key=lambda i: (shared[i], i), default=None)  # the latest on a tie
+        if best is None or not self._continues(self.sessions[best], shared[best]):
+            best = self._free(free)
         session = self.sessions.pop(best)
         self.sessions.append(session)
         return session
@@ -70,10 +72,10 @@ class SessionPool:
         cached = len(session.target.tokens)
         return cached == 0 or (shared >= MIN_SHARED and shared >= CONTINUES * cached)
 
-    def _free(self) -> int:
+    def _free(self, free: list[int]) -> int:
         """A session to overwrite: an unused one, a new one while there is room, else the least
         recently used one (its cache is trimmed to what it shares with the prompt when used)."""
-        empty = next((i for i, s in enumerate(self.sessions) if not s.target.tokens), None)
+        empty = next((i for i in free if not self.sessions[i].target.tokens), None)
         if empty is not None:
             return empty
         if len(self.sessions) < self.capacity:
@@ -81,7 +83,9 @@ class SessionPool:
             draft = base.draft.fork() if base.draft is not None else None
             self.sessions.append(Session(base.target.fork(), draft, self._build(draft)))
             return len(self.sessions) - 1
-        return 0
+        if not free:
+            raise RuntimeError("every session is serving a request")
+        return free[0]
 
 
 def default_capacity(kv_bytes_per_token: int, max_tokens: int) -> int:

@@ -1,0 +1,162 @@
+"""Requests served together (engine.core.batch and the scheduler in engine.core.service), on the
+tiny f32 pair: every answer equals the one the same request gets alone, whatever joins, leaves
+or is cancelled around it; sampling keeps the target's distribution; a failed batched pass fails
+only its own requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from engine.core.runtime import EXACT_CONFIG
+from engine.core.sampling import SamplingParams, logits_to_probs
+from engine.core.service import Engine, Event, Request, Stream
+
+ANSWER = 24
+
+
+@pytest.fixture(scope="module")
+def shared(ir_target, ir_draft) -> Engine:
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4)
+
+
+def ask(text: str, mode: str = "best", **fields) -> Request:
+    return Request(({"role": "user", "content": text},), mode=mode, max_new_tokens=ANSWER, **fields)
+
+
+def alone(engine: Engine, request: Request) -> list[int]:
+    final = engine.run(Request(**{**request.__dict__, "reuse_cache": False}))
+    assert final.kind == "done", final.error
+    return final.token_ids
+
+
+def finish(stream: Stream) -> tuple[Event, int]:
+    """The final event and the largest batch any of the stream's rounds ran in."""
+    largest = 1
+    for event in stream:
+        largest = max(largest, event.metrics.get("batch_size", 1))
+        if event.final:
+            return event, largest
+    raise AssertionError("no final event")
+
+
+@contextmanager
+def held(engine: Engine) -> Iterator[None]:
+    """The worker held between iterations, so that the requests queued meanwhile start together."""
+    release, holding = threading.Event(), threading.Event()
+    waiter = threading.Thread(target=engine.with_models, args=(lambda *_: holding.set() or release.wait(10),))
+    waiter.start()
+    holding.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        waiter.join()
+
+
+def first_delta(stream: Stream) -> list[Event]:
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.kind == "delta" or event.final:
+            return seen
+    return seen
+
+
+def test_every_answer_equals_its_solo_run_whatever_joins_leaves_or_is_cancelled(shared):
+    modes = list(shared.modes)
+    requests = [ask(f"Request {i}: tell me about the number {i * 7}.", modes[i % len(modes)]) for i in range(6)]
+    solo = [alone(shared, r) for r in requests]
+    streams: list[Stream] = []
+    for i, request in enumerate(requests):  # staggered: each joins while the others generate
+        streams.append(shared.generate(request))
+        if i % 2 == 0:
+            first_delta(streams[-1])
+    cancelled = shared.generate(ask("This one is stopped after its first tokens.", "speculative"))
+    first_delta(cancelled)
+    cancelled.cancel()
+    start = time.monotonic()
+    last, _ = finish(cancelled)
+    assert last.kind == "done" and last.metrics["finish_reason"] == "cancelled"
+    assert time.monotonic() - start < 2.0  # within a step or two, not at the end of the answer
+    batched = 1
+    for stream, request, expected in zip(streams, requests, solo):
+        final, largest = finish(stream)
+        batched = max(batched, largest)
+        assert final.kind == "done", final.error
+        assert final.token_ids == expected, request.mode
+    assert batched >= 3  # they were served together
+
+
+def test_a_follow_up_turn_after_a_batched_answer_prefills_only_its_suffix(shared):
+    requests = [ask(f"Conversation {i}: list three colours.") for i in range(3)]
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    finals = [finish(s) for s in streams]
+    assert all(largest == 3 for _, largest in finals)
+    answers = [final.token_ids for final, _ in finals]
+    first = shared.prompt_ids(requests[0])
+    follow = Request(prompt_ids=tuple(first + answers[0] + first[-8:]), mode="best", max_new_tokens=ANSWER)
+    final = shared.run(follow)
+    assert final.kind == "done", final.error
+    assert final.metrics["cached_tokens"] >= len(first) + len(answers[0]) - 1
+    assert final.token_ids == alone(shared, follow)
+
+
+def test_sampling_in_a_batch_keeps_the_target_distribution(shared):
+    """The first sampled token of many seeded requests, served four at a time and joining as
+    others leave, against the target's own distribution at that position (chi-square)."""
+    request = ask("Pick a word.", "best", temperature=1.0)
+    prompt = shared.prompt_ids(request)
+
+    def target_probs(target, draft):
+        target.reset()
+        return logits_to_probs(target.forward(prompt)[-1:], SamplingParams(1.0))[0]
+
+    p = shared.with_models(target_probs)
+    counts: dict[int, int] = {}
+    batched = 0
+    n = 240
+    for wave in range(0, n, 4):
+        with held(shared):
+            seeded = [Request(**{**request.__dict__, "seed": wave + j, "max_new_tokens": 2}) for j in range(4)]
+            streams = [shared.generate(r) for r in seeded]
+        for stream in streams:
+            final, largest = finish(stream)
+            assert final.kind == "done", final.error
+            counts[final.token_ids[0]] = counts.get(final.token_ids[0], 0) + 1
+            batched += largest > 1
+    assert batched >= n // 2
+    tokens = sorted(counts, key=lambda t: -p[t])
+    expected = np.array([p[t] * n for t in tokens])
+    frequent = expected >= 5  # pool the rare tokens into one cell
+    observed = [counts[t] for t, f in zip(tokens, frequent) if f]
+    expected_cells = list(expected[frequent])
+    observed.append(n - sum(observed))
+    expected_cells.append(n - sum(expected_cells))
+    assert scipy_stats.chisquare(observed, expected_cells).pvalue > 0.001
+
+
+def test_a_failed_batched_pass_fails_only_its_requests_and_the_next_is_served(shared, monkeypatch, caplog):
+    requests = [ask(f"Doomed {i}: count to ten.") for i in range(2)]
+    step = shared._batch.step
+
+    def broken(tokens):
+        raise RuntimeError("injected inference failure")
+
+    monkeypatch.setattr(shared._batch, "step", broken)
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    finals = [finish(s)[0] for s in streams]
+    monkeypatch.setattr(shared._batch, "step", step)
+    assert all(f.kind == "error" and "internal error" in f.error for f in finals)
+    assert "injected inference failure" in caplog.text
+    after = ask("A normal request afterwards.")
+    final = shared.run(after)
+    assert final.kind == "done" and final.token_ids == alone(shared, after)
