@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast lint mutants chaos prepare bench bench-peers ceiling llama-cpp paper report chromium clean
+.PHONY: setup run test test-fast lint mutants chaos loadtest prepare bench bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ lint: setup
 # Normal and misbehaving users at once against the app on the default pair (loopback, bounded).
 chaos: setup prepare
 	$(PY) -m engine.tools.chaos --json bench-results/chaos.json --table bench-results/chaos.md $(ARGS)
+
+# 1, 2, 4 and 8 users chatting at once through the app on the default pair (loopback, bounded).
+loadtest: setup prepare
+	$(PY) -m engine.tools.loadtest $(ARGS)
 
 # One-line mutations of the engine, each run against the fast suite: fails if any survives.
 mutants: setup

@@ -163,6 +163,8 @@ def metrics_html(m: dict, status: str = "") -> str:
         ("new tokens", f"{m['new_tokens']}"),
         ("draft / target time", f"{m['draft_s']:.2f} / {m['target_s']:.2f} s"),
         ("KV cache", f"{_bytes(m['target_kv_bytes'] + m['draft_kv_bytes'])}"),
+        ("requests served together", f"{m.get('sharing', 1)}"),
+        ("batch of the last pass", f"{m.get('batch_size', 1)}"),
     ]
     body = "".join(
         f'<div class="card"><div class="value">{html.escape(value)}</div>'
@@ -237,8 +239,9 @@ def stream_answer(engine, turns, colour, settings, box):
     throughput = Throughput()
     events = engine.generate(make_request(conversation(turns[:-1]), *settings))
     try:
-        if (ahead := engine.pending - 1) > 0:
-            waiting = f'<div class="metrics empty">Waiting for the engine: {ahead} ahead.</div>'
+        if engine.full:  # a place in the queue is news only when the engine is full
+            place = max(engine.waiting, 1)
+            waiting = f'<div class="metrics empty">The engine is full: you are number {place} in the queue.</div>'
             yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip()
         for event in events.waiting(HEARTBEAT_S):
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
@@ -756,6 +759,7 @@ COMMANDS = {
     "prepare": ("engine.prepare.pipeline", "fetch and convert the models (the first start does it too)"),
     "bench": ("engine.tools.bench", "tokens/s of our modes and the peers on a prompt set, as a table"),
     "chaos": ("engine.tools.chaos", "normal and misbehaving users against the app, on loopback"),
+    "loadtest": ("engine.tools.loadtest", "1, 2, 4, 8 users chatting at once: speed, TTFT, exactness, memory"),
     "ceiling": ("engine.tools.ceiling", "the speedup a clairvoyant drafter would reach, from measured costs"),
     "paper": ("engine.tools.paper", "the paper's table (arXiv 2311.04951) on this machine"),
     "llama-cpp": ("engine.tools.llamacpp", "build llama.cpp's server, the peer of the benchmarks"),

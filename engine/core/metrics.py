@@ -36,6 +36,8 @@ class Stats:
     draft_kv_bytes: int = 0
     finish_reason: str = ""
     batch_size: int = 1  # requests in the last round's target pass
+    sharing: int = 1  # requests the engine served at the last round (this one included)
+    queue_s: float = 0.0  # from arrival until the engine took the request up
 
     def add_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -74,4 +76,6 @@ class Stats:
             "draft_kv_bytes": self.draft_kv_bytes,
             "finish_reason": self.finish_reason,
             "batch_size": self.batch_size,
+            "sharing": self.sharing,
+            "queue_s": self.queue_s,
         }

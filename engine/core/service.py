@@ -341,8 +341,13 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Requests queued until one being served ends (only while the engine is full)."""
+        """Requests queued, not yet taken up (they wait only while the engine is full)."""
         return self._jobs.qsize()
+
+    @property
+    def full(self) -> bool:
+        """Serving as many requests as it serves together: new ones wait."""
+        return len(self._serving) >= self.max_batch
 
     # -- generation -------------------------------------------------------------------------
     def check(self, request: Request) -> list[int]:
@@ -398,6 +403,7 @@ class Engine:
     # -- the scheduler (worker thread) ------------------------------------------------------
     def _start(self, job: _Job) -> None:
         def start() -> None:
+            job.stats.queue_s = time.perf_counter() - job.stats.start
             busy = [j.session for j in self._serving if j.session is not None]
             # A cold-cache request (a benchmark's) empties the session it gets.
             job.session = self.sessions.take(job.prompt if job.request.reuse_cache else [], busy)
@@ -468,7 +474,7 @@ class Engine:
     def _emit(self, job: _Job, round_: Round, batch_size: int) -> None:
         """Stream a round's text; end the request at a stop string, a cancel or the decoder's end."""
         assert job.decoder is not None and job.detok is not None and job.stops is not None
-        job.stats.batch_size = batch_size
+        job.stats.batch_size, job.stats.sharing = batch_size, len(self._serving)
         pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
         job.out += round_.tokens
         delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
@@ -619,6 +625,10 @@ class Loading:
     @property
     def waiting(self) -> int:
         return self.engine.waiting if self.engine is not None else 0
+
+    @property
+    def full(self) -> bool:
+        return self.engine is not None and self.engine.full
 
     @property
     def modes(self) -> tuple[str, ...]:
