@@ -49,6 +49,9 @@ PAPER_LENGTHS = (40, 100)
 PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
 HEARTBEAT_S = 0.5
+# While the engine serves several requests, each chat redraws at most this often (rounds in
+# between are drawn together): rendering every round of every user takes CPU from the engine.
+SHARED_REDRAW_S = 0.25
 LEGEND = {
     "draft": "accepted draft token",
     "target": "target correction",
@@ -243,6 +246,7 @@ def stream_answer(engine, turns, colour, settings, box):
             place = max(engine.waiting, 1)
             waiting = f'<div class="metrics empty">The engine is full: you are number {place} in the queue.</div>'
             yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip()
+        drawn_at = 0.0
         for event in events.waiting(HEARTBEAT_S):
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
                 yield (gr.skip(),) * 6
@@ -255,6 +259,9 @@ def stream_answer(engine, turns, colour, settings, box):
                 answer["content"] += event.text
                 answer["pieces"] += [list(piece) for piece in event.pieces]
             throughput.add(event.metrics)
+            if not event.final and time.monotonic() - drawn_at < (SHARED_REDRAW_S if engine.serving > 1 else 0):
+                continue
+            drawn_at = time.monotonic()
             status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
             yield (
                 box,
@@ -760,6 +767,7 @@ COMMANDS = {
     "bench": ("engine.tools.bench", "tokens/s of our modes and the peers on a prompt set, as a table"),
     "chaos": ("engine.tools.chaos", "normal and misbehaving users against the app, on loopback"),
     "loadtest": ("engine.tools.loadtest", "1, 2, 4, 8 users chatting at once: speed, TTFT, exactness, memory"),
+    "crossover": ("engine.tools.crossover", "where batched plain steps beat speculation, from measured passes"),
     "ceiling": ("engine.tools.ceiling", "the speedup a clairvoyant drafter would reach, from measured costs"),
     "paper": ("engine.tools.paper", "the paper's table (arXiv 2311.04951) on this machine"),
     "llama-cpp": ("engine.tools.llamacpp", "build llama.cpp's server, the peer of the benchmarks"),

@@ -152,17 +152,11 @@ class SlowEngine:
 
     def __init__(self, engine, delay: float):
         self.engine, self.delay = engine, delay
-        self.max_context, self.modes, self.check = engine.max_context, engine.modes, engine.check
         self.closed = threading.Event()
         self.final_read = False
 
-    @property
-    def pending(self) -> int:
-        return self.engine.pending
-
-    @property
-    def state(self) -> str:
-        return self.engine.state
+    def __getattr__(self, name: str):  # everything else is the real engine's
+        return getattr(self.engine, name)
 
     def generate(self, request):
         return SlowStream(self, self.engine.generate(request))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from engine.core.decoding import Decoder
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine, Event, Request, Stream
@@ -160,3 +161,25 @@ def test_a_failed_batched_pass_fails_only_its_requests_and_the_next_is_served(sh
     after = ask("A normal request afterwards.")
     final = shared.run(after)
     assert final.kind == "done" and final.token_ids == alone(shared, after)
+
+
+def test_a_request_failing_while_others_generate_together_leaves_their_answers_intact(shared, monkeypatch):
+    requests = [ask(f"Healthy {i}: name two rivers.") for i in range(2)]
+    solo = [alone(shared, r) for r in requests]
+    doomed = Request(prompt_ids=(7, 7, 7, 7, 7, 7, 7, 7), mode="best", max_new_tokens=ANSWER)
+    prefill = Decoder.prefill
+
+    def failing(self):
+        if self.context[:8] == list(doomed.prompt_ids):
+            raise RuntimeError("injected failure in one request's prefill")
+        yield from prefill(self)
+
+    monkeypatch.setattr(Decoder, "prefill", failing)
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    first_delta(streams[0])
+    failed = shared.run(doomed)
+    assert failed.kind == "error" and "internal error" in failed.error
+    finals = [finish(s) for s in streams]
+    assert [f.token_ids for f, _ in finals] == solo
+    assert all(largest == 2 for _, largest in finals)

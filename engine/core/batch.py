@@ -58,10 +58,10 @@ class Batch:
             if home.slots != len(home.tokens):
                 raise ValueError("a batch row needs a cache without masked entries")
         width = max(len(row.tokens) for row in [*self.rows, *(Row(None, h, h.tokens) for h in homes)])
-        current = self._read() if self.rows else {}
-        for state in self.request.query_state():
-            parts = [_fit(current[state.name][self._physical], width)] if self.rows else []
-            parts += [_fit(_state(home, state.name), width) for home in homes]
+        joining = [_states_by_name(home) for home in homes]
+        for state in self.request.query_state():  # one state at a time: a copy of one layer in memory
+            parts = [_fit(state.state.data[self._physical], width)] if self.rows else []
+            parts += [_fit(states[state.name].state.data, width) for states in joining]
             state.state = ov.Tensor(np.ascontiguousarray(np.concatenate(parts)))
         self.rows += [Row(key, home, list(home.tokens)) for key, home in members]
         self.slots = width
@@ -75,7 +75,11 @@ class Batch:
         physical = self._physical.pop(i)
         if write_back:
             start = self.slots - len(row.tokens)
-            row.home.load(row.tokens, {name: s[physical : physical + 1, :, start:] for name, s in self._read().items()})
+            home = _states_by_name(row.home)
+            for state in self.request.query_state():  # one state at a time
+                kept = state.state.data[physical : physical + 1, :, start:]
+                home[state.name].state = ov.Tensor(np.ascontiguousarray(kept))
+            row.home.hold_loaded(row.tokens)
         if not self.rows:
             self.slots = 0
 
@@ -111,12 +115,9 @@ class Batch:
         self.request.reset_state()
         self.rows, self._physical, self.slots = [], [], 0
 
-    def _read(self) -> dict[str, np.ndarray]:
-        return {state.name: state.state.data for state in self.request.query_state()}
 
-
-def _state(home: Runtime, name: str) -> np.ndarray:
-    return next(s.state.data for s in home.request.query_state() if s.name == name)
+def _states_by_name(runtime: Runtime) -> dict[str, ov.VariableState]:
+    return {state.name: state for state in runtime.request.query_state()}
 
 
 def _fit(states: np.ndarray, width: int) -> np.ndarray:

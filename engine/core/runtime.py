@@ -183,11 +183,8 @@ class Runtime:
         if len(tokens) > len(self.tokens):
             self.forward(tokens[len(self.tokens) :])
 
-    def load(self, tokens: Sequence[int], states: dict[str, np.ndarray]) -> None:
-        """Set the cache to ``states`` (by state name), which hold ``tokens``: a copy, e.g. of a
-        batch row."""
-        for state in self.request.query_state():
-            state.state = ov.Tensor(np.ascontiguousarray(states[state.name]))
+    def hold_loaded(self, tokens: Sequence[int]) -> None:
+        """The states were just set from outside (a batch row copied back): they hold ``tokens``."""
         self.tokens = list(tokens)
         self._mask = np.ones(len(self.tokens), dtype=np.int64)
 

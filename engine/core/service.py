@@ -29,6 +29,7 @@ from engine.core.batch import Batch
 from engine.core.chat import check_messages
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.drafters import Drafter
+from engine.core.memory import return_freed_buffers
 from engine.core.metrics import Stats
 from engine.core.modes import MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
@@ -232,6 +233,7 @@ class Engine:
         memory available at start, :mod:`engine.core.sessions`). The two models must share one
         vocabulary (``engine.prepare`` checks it)."""
 
+        return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
         self.target = Runtime(
             Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
