@@ -8,8 +8,9 @@ masked slots before them change nothing, a masked gap between them changes the r
 its length is a multiple of 16 (docs/design.md, "Batching"). So every row keeps its entries
 contiguous and ending at the last slot (each pass appends one real token to every row), rows are
 left-padded with masked slots, a joining row is written in by rebuilding the states (its own
-cache's entries, copied: O(rows x slots)), and a leaving row is dropped by the next pass's
-``beam_idx`` (free) after its entries are copied back to its own cache.
+cache's entries, copied: O(rows x slots); its own copy is then freed), and a leaving row is
+dropped by the next pass's ``beam_idx`` (free) after its entries are copied back to its own
+cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from engine.core.runtime import Runtime
+from engine.core.memory import trim_heap
+from engine.core.runtime import Runtime, release_states
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Batch:
         self.rows += [Row(key, home, list(home.tokens)) for key, home in members]
         self.slots = width
         self._physical = list(range(len(self.rows)))
+        for home in homes:  # the batch holds the entries now: the conversation's own copy is freed
+            home.release()
+        trim_heap()
 
     def leave(self, key: Hashable, write_back: bool = True) -> None:
         """Drop ``key``'s row (at the next pass); with ``write_back`` its entries go back to its
@@ -82,6 +87,8 @@ class Batch:
             row.home.hold_loaded(row.tokens)
         if not self.rows:
             self.slots = 0
+            release_states(self.request)
+        trim_heap()
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens[i]`` to row i; return each row's logits for the next token."""

@@ -14,17 +14,34 @@ import ctypes
 import ctypes.util
 import logging
 
-M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
+ARENAS = 2  # a web server's many handler threads would otherwise each keep an arena of freed blocks
 log = logging.getLogger("specchat.engine")
 
 
-def return_freed_buffers() -> bool:
-    """Make blocks of 1 MiB and more separate mappings (glibc only; elsewhere nothing changes)."""
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):  # not glibc
-        log.debug("mallopt is not available: the allocator keeps its defaults")
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
+
+
+def return_freed_buffers() -> bool:
+    """Make blocks of 1 MiB and more separate mappings, and all threads share two arenas (glibc
+    only; elsewhere nothing changes)."""
+    if _LIBC is None:
+        log.debug("not glibc: the allocator keeps its defaults")
         return False
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and _LIBC.mallopt(M_ARENA_MAX, ARENAS))
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the system (after a batch's states were copied around)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

@@ -46,6 +46,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def release_states(request: ov.InferRequest) -> None:
+    """Set every state of ``request`` to no entries: the plugin frees their memory (a
+    ``reset_state`` keeps it)."""
+    for state in request.query_state():
+        shape = state.state.shape
+        state.state = ov.Tensor(np.zeros([*shape[:2], 0, *shape[3:]], dtype=np.float32))
+
+
 class Runtime:
     """One model, one request, one KV cache."""
 
@@ -139,6 +147,13 @@ class Runtime:
         for n in sorted({8, 1, 5, self.pass_width}):
             self.forward([0] * n, rows=n)
         self.reset()
+
+    def release(self) -> None:
+        """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the
+        next request; this frees them: a conversation whose entries were copied elsewhere)."""
+        release_states(self.request)
+        self.tokens = []
+        self._mask = np.ones(0, dtype=np.int64)
 
     def reset(self) -> None:
         self.request.reset_state()

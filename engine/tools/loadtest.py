@@ -124,6 +124,17 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
         "mixed": sum(bool(a.text) and a.text != e and a.text in others for a, e in zip(served, expected)),
         "differ": sum(e is not None and a.text != e for a, e in zip(served, expected)),
         "failures": [f"user {a.user} turn {a.turn}: {a.error}" for a in answers if a.error],
+        "per_answer": [
+            {
+                "user": a.user,
+                "turn": a.turn,
+                "tokens": a.tokens,
+                "wall_s": a.wall_s,
+                "ttft_s": a.ttft_s,
+                **{k: a.metrics.get(k) for k in ("prompt_tokens", "cached_tokens", "tokens_per_s", "batch_size")},
+            }
+            for a in answers
+        ],
     }
 
 
@@ -162,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     def loadtest() -> None:
         prompts = [p for _, p in load_prompts(args.prompts)]
         most = max(args.users)
-        conversations = [[prompts[(u * args.turns + t) % len(prompts)] for t in range(args.turns)] for u in range(most)]
+        # User u opens with prompt u (first turns as in engine.tools.bench), then takes every most-th.
+        conversations = [[prompts[(u + t * most) % len(prompts)] for t in range(args.turns)] for u in range(most)]
         with contextlib.nullcontext((args.url, None)) if args.url else app_server(app_args) as (url, pid):
             require_loopback(url)
             alone, seconds = run_phase(url, conversations, args, together=False)
