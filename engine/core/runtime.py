@@ -151,7 +151,8 @@ class Runtime:
     def release(self) -> None:
         """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the
         next request; this frees them: a conversation whose entries were copied elsewhere)."""
-        release_states(self.request)
+        if self.slots:  # (a request that never ran has no states to read)
+            release_states(self.request)
         self.tokens = []
         self._mask = np.ones(0, dtype=np.int64)
 

@@ -466,6 +466,9 @@ class Engine:
             job.session.target.hold(job.decoder.context[:-1])
         if joining:
             self._batch.join([(j.key, j.session.target) for j in joining])  # type: ignore[union-attr]
+        for job in joining:  # its draft cache idles meanwhile: freed (rebuilt over a bounded window if alone again)
+            if job.session is not None and job.session.draft is not None:
+                job.session.draft.release()
         order = {row.key: i for i, row in enumerate(self._batch.rows)}
         jobs = sorted(jobs, key=lambda j: order[j.key])
         logits = self._batch.step([j.decoder.context[-1] for j in jobs])  # type: ignore[union-attr]
