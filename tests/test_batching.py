@@ -95,6 +95,15 @@ def test_every_answer_equals_its_solo_run_whatever_joins_leaves_or_is_cancelled(
     assert batched >= 3  # they were served together
 
 
+def test_a_request_stopped_while_queued_ends_without_running(shared):
+    with held(shared):
+        stream = shared.generate(ask("Stopped before it starts."))
+        stream.cancel()
+    final, _ = finish(stream)
+    assert final.kind == "done" and final.metrics["finish_reason"] == "cancelled"
+    assert final.token_ids == [] and final.metrics["target_passes"] == 0
+
+
 def test_a_follow_up_turn_after_a_batched_answer_prefills_only_its_suffix(shared):
     requests = [ask(f"Conversation {i}: list three colours.") for i in range(3)]
     with held(shared):

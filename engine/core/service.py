@@ -420,6 +420,9 @@ class Engine:
             job.stops = StopStrings(job.request.stop_strings)
 
         self._serving.append(job)
+        if job.cancel.is_set():  # stopped (or its tab closed) while it waited in the queue
+            self._finish(job, "cancelled")
+            return
         self._guard([job], start)
 
     def _advance(self) -> None:
