@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from engine.core import batch as batch_module
 from engine.core.decoding import Decoder
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.sampling import SamplingParams, logits_to_probs
@@ -28,7 +29,7 @@ def shared(ir_target, ir_draft) -> Engine:
 
 
 def ask(text: str, mode: str = "best", **fields) -> Request:
-    return Request(({"role": "user", "content": text},), mode=mode, max_new_tokens=ANSWER, **fields)
+    return Request(({"role": "user", "content": text},), mode=mode, **{"max_new_tokens": ANSWER, **fields})
 
 
 def alone(engine: Engine, request: Request) -> list[int]:
@@ -192,3 +193,21 @@ def test_a_request_failing_while_others_generate_together_leaves_their_answers_i
     finals = [finish(s) for s in streams]
     assert [f.token_ids for f, _ in finals] == solo
     assert all(largest == 2 for _, largest in finals)
+
+
+def test_rows_of_any_length_join_and_a_long_row_leaving_cuts_the_padding(shared, monkeypatch):
+    """A one-token prompt on a fresh session, and the longest row leaving first: the batch
+    drops the padding no row needs any more (a copy), and every answer still equals its solo run."""
+    monkeypatch.setattr(batch_module, "MAX_SLACK", 8)
+    long = ask("Summarize: " + "the fox runs and the dog sleeps. " * 5, max_new_tokens=3)
+    others = [ask("Name a fruit."), Request(prompt_ids=(5,), mode="best", max_new_tokens=ANSWER)]
+    requests = [long, *others]
+    solo = [alone(shared, r) for r in requests]
+    cuts = []
+    cut = batch_module.Batch._cut
+    monkeypatch.setattr(batch_module.Batch, "_cut", lambda self, width: cuts.append(width) or cut(self, width))
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    finals = [finish(s) for s in streams]
+    assert [f.token_ids for f, _ in finals] == solo
+    assert all(largest == 3 for _, largest in finals) and cuts

@@ -25,6 +25,10 @@ import openvino as ov
 from engine.core.memory import trim_heap
 from engine.core.runtime import Runtime, release_states
 
+# Leading slots no row uses that a leave cuts away (a copy of the states): attention runs over
+# every slot, masked or not.
+MAX_SLACK = 256
+
 
 @dataclass
 class Row:
@@ -38,7 +42,9 @@ class Batch:
     weights stay loaded once) and the context limit."""
 
     def __init__(self, template: Runtime):
-        self.request = template.compiled.create_infer_request()
+        self.compiled = template.compiled
+        self.empty_state = template.empty_state
+        self.request = self.compiled.create_infer_request()
         self.max_context = template.max_context
         self.rows: list[Row] = []
         self.slots = 0
@@ -63,7 +69,7 @@ class Batch:
         joining = [_states_by_name(home) for home in homes]
         for state in self.request.query_state():  # one state at a time: a copy of one layer in memory
             parts = [_fit(state.state.data[self._physical], width)] if self.rows else []
-            parts += [_fit(states[state.name].state.data, width) for states in joining]
+            parts += [_fit(_entries(states, state.name, home), width) for states, home in zip(joining, homes)]
             state.state = ov.Tensor(np.ascontiguousarray(np.concatenate(parts)))
         self.rows += [Row(key, home, list(home.tokens)) for key, home in members]
         self.slots = width
@@ -87,8 +93,17 @@ class Batch:
             row.home.hold_loaded(row.tokens)
         if not self.rows:
             self.slots = 0
-            release_states(self.request)
+            release_states(self.request, self.empty_state)
+        elif self.slots - max(len(r.tokens) for r in self.rows) > MAX_SLACK:  # the longest row left
+            self._cut(max(len(r.tokens) for r in self.rows))
         trim_heap()
+
+    def _cut(self, width: int) -> None:
+        """Drop the leading slots no row uses any more (and the rows that left)."""
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.ascontiguousarray(_fit(state.state.data[self._physical], width)))
+        self.slots = width
+        self._physical = list(range(len(self.rows)))
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens[i]`` to row i; return each row's logits for the next token."""
@@ -118,9 +133,16 @@ class Batch:
         return self.request.get_tensor("logits").data[:, -1].astype(np.float32, copy=True)
 
     def reset(self) -> None:
-        """Drop every row without writing anything back (after a failed pass)."""
-        self.request.reset_state()
+        """Drop every row without writing anything back (after a failed pass): a new request, so
+        the old one's states, whatever a failure left them as, are freed with it."""
+        self.request = self.compiled.create_infer_request()
         self.rows, self._physical, self.slots = [], [], 0
+
+
+def _entries(states: dict[str, ov.VariableState], name: str, home: Runtime) -> np.ndarray:
+    """A home cache's state ``name``; an empty cache's without reading it (a request reset or
+    never run has no states to read)."""
+    return states[name].state.data if home.tokens else home.empty_state
 
 
 def _states_by_name(runtime: Runtime) -> dict[str, ov.VariableState]:

@@ -46,12 +46,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def release_states(request: ov.InferRequest) -> None:
-    """Set every state of ``request`` to no entries: the plugin frees their memory (a
-    ``reset_state`` keeps it)."""
+def _kv_heads(cfg: dict) -> int:
+    return int(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+
+
+def _head_dim(cfg: dict) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def release_states(request: ov.InferRequest, empty: np.ndarray) -> None:
+    """Set every state of ``request`` to ``empty`` (no entries): the plugin frees their memory
+    (a ``reset_state`` keeps it)."""
     for state in request.query_state():
-        shape = state.state.shape
-        state.state = ov.Tensor(np.zeros([*shape[:2], 0, *shape[3:]], dtype=np.float32))
+        state.state = ov.Tensor(empty)
 
 
 class Runtime:
@@ -106,6 +113,8 @@ class Runtime:
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         self._kv_bytes_per_token = self._kv_bytes(hf_config)
+        # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
+        self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         self.masked_rollback = masked_rollback
         self.pass_width = pass_width
@@ -114,12 +123,9 @@ class Runtime:
         self.passes = 0
 
     def _kv_bytes(self, cfg: dict) -> int:
-        layers = cfg["num_hidden_layers"]
-        kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         precision = str(self.compiled.get_property("KV_CACHE_PRECISION"))
         per = next((b for name, b in _KV_BYTES.items() if name in precision), 2)
-        return 2 * layers * kv_heads * head_dim * per
+        return 2 * cfg["num_hidden_layers"] * _kv_heads(cfg) * _head_dim(cfg) * per
 
     def fork(self) -> Runtime:
         """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
@@ -151,8 +157,7 @@ class Runtime:
     def release(self) -> None:
         """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the
         next request; this frees them: a conversation whose entries were copied elsewhere)."""
-        if self.slots:  # (a request that never ran has no states to read)
-            release_states(self.request)
+        release_states(self.request, self.empty_state)
         self.tokens = []
         self._mask = np.ones(0, dtype=np.int64)
 

@@ -283,13 +283,13 @@ class Engine:
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            self._admit()
-            with self._busy:
-                self._progress_at = time.monotonic()
-                try:
+            try:
+                self._admit()
+                with self._busy:
+                    self._progress_at = time.monotonic()
                     self._advance()
-                except BaseException:  # a failure outside any request's handling: log it, keep serving
-                    log.exception("the scheduler failed outside a request's handling")
+            except BaseException:  # a failure outside any request's handling: log it, keep serving
+                log.exception("the scheduler failed outside a request's handling")
 
     def _admit(self) -> None:
         """Start queued requests while there is room (waiting for one when idle); run the
@@ -303,6 +303,7 @@ class Engine:
                 self._start(item)
             else:
                 with self._busy:
+                    self._progress_at = time.monotonic()
                     item()
 
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
@@ -531,7 +532,7 @@ class Engine:
                     self._batch.leave(job.key)  # the others' rows were not touched by the failed pass
                 self._batch.reset()
             for job in jobs:
-                if job.session is not None:
+                if job.session is not None and job in self._serving:  # (one that finished keeps its caches)
                     job.session.reset()
                 self._fail(job, f"internal error (request {request_id}): the server log has the details; try again")
 
