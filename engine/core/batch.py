@@ -65,7 +65,7 @@ class Batch:
         for home in homes:
             if home.slots != len(home.tokens):
                 raise ValueError("a batch row needs a cache without masked entries")
-        width = max(len(row.tokens) for row in [*self.rows, *(Row(None, h, h.tokens) for h in homes)])
+        width = max(len(tokens) for tokens in [*(row.tokens for row in self.rows), *(h.tokens for h in homes)])
         joining = [_states_by_name(home) for home in homes]
         for state in self.request.query_state():  # one state at a time: a copy of one layer in memory
             parts = [_fit(state.state.data[self._physical], width)] if self.rows else []
@@ -94,8 +94,8 @@ class Batch:
         if not self.rows:
             self.slots = 0
             release_states(self.request, self.empty_state)
-        elif self.slots - max(len(r.tokens) for r in self.rows) > MAX_SLACK:  # the longest row left
-            self._cut(max(len(r.tokens) for r in self.rows))
+        elif self.slots - (longest := max(len(r.tokens) for r in self.rows)) > MAX_SLACK:  # the longest row left
+            self._cut(longest)
         trim_heap()
 
     def _cut(self, width: int) -> None:

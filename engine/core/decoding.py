@@ -183,7 +183,6 @@ class Decoder:
     def take(self, logits: np.ndarray, seconds: float) -> Round:
         """A plain round from the logits of this request's row in a batched target pass (which fed
         the context's last token); ``seconds``: that pass's time."""
-        self.room()
         self.stats.target_seconds += seconds
         self.stats.target_passes += 1
         self.stats.plain_rounds += self.stats.rounds > 0 and self.speculative
