@@ -13,16 +13,23 @@ answered at once, never after the answers ahead of it; a waiting user sees how m
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import html
 import importlib
+import inspect
 import io
 import json
 import logging
 import math
 import os
+import re
+import secrets
 import sys
+import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,11 +45,13 @@ from engine.cli import ASSETS, is_loopback
 from engine.core.modes import MODES
 from engine.core.service import Engine, Loading, Request
 from engine.errors import EngineError
-from engine.prepare.pipeline import add_model_arguments, prepare_from_args
+from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
+from engine.render import markdown, transcript
 from engine.tools import paper
 from engine.tools.report import markdown_table, speedup
 
 AUTH_ENV = "SPECCHAT_AUTH"
+SECRET_ENV = "SPECCHAT_BROWSER_SECRET"
 API_KEY_ENV = "SPECCHAT_API_KEY"
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # the engine orders the requests itself
 PAPER_LENGTHS = (40, 100)
@@ -58,17 +67,35 @@ LEGEND = {
     "bonus": "target bonus token",
     "autoregressive": "target, one pass per token",
 }
+CUT = ("length", "cancelled")  # finish reasons of an answer Continue can extend
+CONTINUE = "continue"  # the option a cut answer's footer offers
+MAX_CAP = 8192  # the largest cap on new tokens the form offers (0: none but the context)
+SIDES = ("left", "right")  # the compare tab's two runs
+RACE_FRAME_S = 0.05  # the race's redraw period
+STORE_KEY = "specchat-conversations"  # where each browser keeps its conversations
+MAX_CONVERSATIONS = 30  # kept per browser, the oldest dropped first
+TITLE_LENGTH = 48
+# Phones: the settings start closed (they would cover the chat), the compact metrics line shows.
+CLOSE_SIDEBAR_ON_PHONES = """() => {
+  if (window.innerWidth < 768) document.querySelector('#sidebar .toggle-button, .sidebar .toggle-button')?.click();
+}"""
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
 
 
 # -- settings and conversation ----------------------------------------------------------------
-def make_request(messages, mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=True) -> Request:
-    """The sidebar's settings as an engine request; the engine refuses what is out of range."""
+def make_request(
+    messages, mode, k, temperature, top_p, max_new_tokens, seed, *, context: int, reuse_cache=True, answer_ids=()
+) -> Request:
+    """The sidebar's settings as an engine request; the engine refuses what is out of range.
+    ``max_new_tokens`` 0: until the model stops, within its ``context``. ``answer_ids``: the
+    tokens of an answer this request continues."""
+    cap = _whole(max_new_tokens)
     return Request(
         messages=tuple(messages),
+        answer_ids=tuple(answer_ids),
         mode=mode,
         k=_whole(k),
-        max_new_tokens=_whole(max_new_tokens),
+        max_new_tokens=context if cap == 0 else cap,
         temperature=temperature,
         top_p=top_p,
         seed=None if seed is None or (_finite(seed) and seed < 0) else _whole(seed),
@@ -90,51 +117,123 @@ def clipped(text: str, keep: int = 2000) -> str:
     return text if len(text) <= keep else f"{text[:keep]}… ({len(text):,} characters in all)"
 
 
-def conversation(turns: list[dict]) -> list[dict]:
-    """What the model sees: the plain text of every turn that did not fail."""
-    return [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]
+def conversation(turns: list[dict], system: str = "") -> list[dict]:
+    """What the model sees: the system prompt (if any), then the plain text of every turn that
+    did not fail."""
+    said = [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]
+    return ([{"role": "system", "content": system}] if system and system.strip() else []) + said
 
 
 def load_examples(path: Path = ASSETS / "examples.json") -> list[dict]:
     return json.loads(path.read_text())
 
 
+def cut(turn: dict) -> bool:
+    """An answer the cap (or a Stop) cut short, which Continue can extend from where it stopped."""
+    m = turn.get("metrics") or {}
+    return not turn.get("failed") and bool(turn.get("token_ids")) and m.get("finish_reason") in CUT
+
+
 # -- rendering --------------------------------------------------------------------------------
-def coloured_html(pieces: list) -> str:
-    """The answer as escaped HTML spans, one run per provenance (no markdown: a token view)."""
-    runs: list[list] = []
-    for text, provenance in pieces:
-        if runs and runs[-1][1] == provenance:
-            runs[-1][0] += text
-        elif text:
-            runs.append([text, provenance])
-    spans = "".join(
-        f'<span class="tok tok-{html.escape(p)}">{html.escape(text).replace(chr(10), "<br>")}</span>'
-        for text, p in runs
-    )
-    return f'<div class="token-view">{spans}</div>'
-
-
-def render_turn(turn: dict, colour: bool) -> str:
-    if turn["role"] == "assistant" and turn.get("failed"):
+def render_answer(turn: dict, colour: bool) -> str:
+    """An answer as the chat draws it: Markdown (Gradio renders it and highlights its code), or
+    with ``colour`` our own rendering with each token's provenance drawn on it."""
+    if turn.get("failed"):
         return f"⚠️ **Could not answer:** {turn['content']}"
-    if turn["role"] == "assistant" and colour and turn.get("pieces"):
-        return coloured_html(turn["pieces"])
+    if colour and turn.get("pieces"):
+        return markdown.render(turn["content"], markdown.provenance_of(turn["pieces"]))
     return turn["content"]
 
 
-def render_chat(turns: list[dict], colour: bool) -> list[dict]:
-    """The chatbot's messages; an empty user message is not drawn, only the error it caused."""
-    return [
-        {"role": t["role"], "content": render_turn(t, colour)}
-        for t in turns
-        if t["role"] == "assistant" or t["content"].strip()
+def footer_line(m: dict) -> str:
+    """An answer's figures on one line: the footer under it, and the compact line on phones."""
+    if not m:
+        return ""
+    speculative = m["mode"] != "autoregressive"
+    parts = [m["mode"], f"{m['new_tokens']} tokens", f"{m['tokens_per_s']:.1f} tokens/s"]
+    if speculative:
+        parts += [f"acceptance {m['acceptance_rate']:.0%}", f"{m['mean_accepted_length']:.2f} tokens/pass"]
+    if m.get("speedup_vs_ar") is not None and speculative:
+        parts.append(f"{m['speedup_vs_ar']:.2f}× vs autoregressive (measured)")
+    elif speculative and m["finish_reason"]:
+        parts.append(f"≈{m['expected_speedup']:.2f}× vs autoregressive (expected)")
+    if m.get("sharing", 1) > 1:
+        parts.append(f"served with {m['sharing'] - 1} other request{'s' * (m['sharing'] > 2)}")
+    return " · ".join(parts)
+
+
+def footer_details(m: dict) -> str:
+    """What the footer opens to: the figures that do not fit on its line."""
+    rows = [
+        ("time to first token", _seconds(m["ttft_s"])),
+        ("prompt tokens (found in the KV cache)", f"{m['prompt_tokens']} ({m['cached_tokens']})"),
+        ("target passes", f"{m['target_passes']}"),
+        ("draft / target time", f"{m['draft_s']:.2f} / {m['target_s']:.2f} s"),
+        ("KV cache", _bytes(m["target_kv_bytes"] + m["draft_kv_bytes"])),
+        ("finish", m["finish_reason"] or "streaming…"),
     ]
+    return "\n".join(["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows)])
+
+
+def footer_message(turn: dict) -> dict | None:
+    """The answer's footer: Gradio's collapsible "thought" line under it, holding the figures;
+    an answer cut short offers Continue as the footer's option."""
+    m = turn.get("metrics")
+    if turn.get("failed") or not m:
+        return None
+    footer = {
+        "role": "assistant",
+        "content": footer_details(m),
+        "metadata": {"title": footer_line(m), "status": "done" if m["finish_reason"] else "pending"},
+    }
+    if cut(turn):
+        footer["options"] = [{"value": CONTINUE, "label": "Continue ▸"}]
+    return footer
+
+
+def drawn(turns: list[dict], colour: bool) -> list[tuple[int, dict]]:
+    """The chatbot's messages, each with the turn it draws (footers draw their answer's turn);
+    an empty user message is not drawn, only the error it caused."""
+    messages: list[tuple[int, dict]] = []
+    for i, t in enumerate(turns):
+        if t["role"] == "user":
+            if t["content"].strip():
+                messages.append((i, {"role": "user", "content": t["content"]}))
+            continue
+        messages.append((i, {"role": "assistant", "content": render_answer(t, colour)}))
+        if footer := footer_message(t):
+            messages.append((i, footer))
+    return messages
+
+
+def render_chat(turns: list[dict], colour: bool) -> list[dict]:
+    return [message for _, message in drawn(turns, colour)]
+
+
+def turn_of(turns: list[dict], index: int) -> int:
+    """The turn a chatbot message (by its index, as Gradio's events give it) draws."""
+    return drawn(turns, colour=False)[index][0]
 
 
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{p}">{html.escape(label)}</span>' for p, label in LEGEND.items())
     return f'<div class="legend">{items}</div>'
+
+
+def header_html(engine, turns: list[dict]) -> str:
+    """The models in use and how much of the context the conversation fills."""
+    models = engine.models
+    if not models:
+        return '<div class="chat-header">models loading…</div>'
+    last = next((t["metrics"] for t in reversed(turns) if t.get("metrics")), None)
+    used = last["prompt_tokens"] + last["new_tokens"] if last else 0
+    names = " · ".join(
+        f'<span class="model"><b>{role}</b> {html.escape(label)}</span>' for role, label in models.items()
+    )
+    return (
+        f'<div class="chat-header">{names}<span class="context">context {used:,} / '
+        f"{engine.max_context:,} tokens</span></div>"
+    )
 
 
 def _bytes(n: float) -> str:
@@ -217,47 +316,93 @@ class Throughput:
 
 
 # -- chat handlers ----------------------------------------------------------------------------
-def respond(engine, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed):
+# Each streams into the chat outputs: the message box, the chat, the turns, the metrics panel,
+# the metrics, the plot and the compact metrics line (phones).
+def respond(engine, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
     turns = [*turns, {"role": "user", "content": message or ""}]
-    yield from stream_answer(engine, turns, colour, (mode, k, temperature, top_p, max_new_tokens, seed), box="")
+    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
+    yield from stream_answer(engine, turns, colour, settings, system, box="")
 
 
-def retry(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed):
-    """Drop the last answer and ask the last user message again."""
+def retry(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
+    """Drop the last answer and ask the last user message again (the chat's retry button)."""
     users = [i for i, t in enumerate(turns) if t["role"] == "user"]
     if not users:
         gr.Warning("Nothing to retry yet: send a message first.")
         return
     last = users[-1]
     turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
-    yield from stream_answer(engine, turns, colour, (mode, k, temperature, top_p, max_new_tokens, seed), box=gr.skip())
+    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
+    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip())
 
 
-def stream_answer(engine, turns, colour, settings, box):
-    """Answer the last user turn. Closing this generator (Stop) closes the engine stream,
-    which cancels the request within one round."""
-    answer: dict[str, Any] = {"role": "assistant", "content": "", "pieces": []}
-    turns = [*turns, answer]
+def edit(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, edited: gr.EditData):
+    """A user message edited in the chat: the conversation goes on from it, answered again."""
+    at = turn_of(turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
+    turns = [*turns[:at], {"role": "user", "content": str(edited.value)}]
+    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
+    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip())
+
+
+def undo(turns, colour, undone: gr.UndoData):
+    """The chat's undo: the last message and its answer go; the message returns to the box."""
+    at = turn_of(turns, undone.index)  # type: ignore[arg-type]
+    return turns[at]["content"], render_chat(turns[:at], colour), turns[:at]
+
+
+def continue_answer(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
+    """Extend the last answer, cut by its cap or a Stop, from where it stopped (its tokens are
+    in the session's KV caches: only the last is read again)."""
+    if not turns or not cut(turns[-1]):
+        gr.Warning("Nothing to continue: the last answer was not cut short.")
+        return
+    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
+    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip(), continuing=True)
+
+
+def chosen_option(
+    engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, chosen: gr.SelectData
+):
+    """An option under an answer was clicked: Continue is the one there is."""
+    if chosen.value == CONTINUE or (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
+        yield from continue_answer(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system)
+
+
+def stream_answer(engine, turns, colour, settings, system, box, continuing=False):
+    """Answer the last user turn (or, ``continuing``, extend the last answer). Closing this
+    generator (Stop) closes the engine stream, which cancels the request within one round."""
+    if continuing:
+        answer = {**turns[-1], "pieces": list(turns[-1]["pieces"]), "token_ids": list(turns[-1]["token_ids"])}
+        turns = [*turns[:-1], answer]
+    else:
+        answer = {"role": "assistant", "content": "", "pieces": [], "token_ids": []}
+        turns = [*turns, answer]
+    request = make_request(
+        conversation(turns[:-1], system), *settings, context=engine.max_context, answer_ids=answer["token_ids"]
+    )
     throughput = Throughput()
-    events = engine.generate(make_request(conversation(turns[:-1]), *settings))
+    events = engine.generate(request)
     try:
         if engine.full:  # a place in the queue is news only when the engine is full
             place = max(engine.waiting, 1)
             waiting = f'<div class="metrics empty">The engine is full: you are number {place} in the queue.</div>'
-            yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip()
+            yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip(), gr.skip()
         drawn_at = 0.0
         for event in events.waiting(HEARTBEAT_S):
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
-                yield (gr.skip(),) * 6
+                yield (gr.skip(),) * 7
                 continue
             if event.kind == "error":
-                answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
-                turns[-2]["content"] = clipped(turns[-2]["content"])  # a refused paste is not drawn whole
                 gr.Warning(event.error)
+                if not continuing:  # (a continued answer keeps what it had)
+                    answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
+                    turns[-2]["content"] = clipped(turns[-2]["content"])  # a refused paste is not drawn whole
             else:
                 answer["content"] += event.text
                 answer["pieces"] += [list(piece) for piece in event.pieces]
+                answer["token_ids"] += [] if event.final else event.token_ids
+                answer["metrics"] = event.metrics
             throughput.add(event.metrics)
             if not event.final and time.monotonic() - drawn_at < (SHARED_REDRAW_S if engine.serving > 1 else 0):
                 continue
@@ -270,19 +415,23 @@ def stream_answer(engine, turns, colour, settings, box):
                 metrics_html(event.metrics, status),
                 event.metrics,
                 throughput.plot(event.final),
+                footer_line(event.metrics),
             )
     finally:
         events.close()
 
 
-def stopped(metrics):
-    """The metrics panel once Stop has cancelled a stream (unchanged if none was streaming: a
-    finished stream's metrics carry its finish reason)."""
-    return metrics_html(metrics, "stopped") if metrics and not metrics["finish_reason"] else gr.skip()
+def stopped(turns, colour, metrics):
+    """The chat and metrics once Stop has cancelled a stream (unchanged if none was streaming: a
+    finished stream's metrics carry its finish reason): the answer so far can be continued."""
+    if not metrics or metrics["finish_reason"] or not turns or "metrics" not in turns[-1]:
+        return gr.skip(), gr.skip(), gr.skip()
+    turns = [*turns[:-1], {**turns[-1], "metrics": {**turns[-1]["metrics"], "finish_reason": "cancelled"}}]
+    return render_chat(turns, colour), turns, metrics_html(metrics, "stopped")
 
 
 def clear_chat():
-    return "", [], [], metrics_html({}), {}, None
+    return "", [], [], metrics_html({}), {}, None, ""
 
 
 def status_html(state: str) -> str:
@@ -294,15 +443,124 @@ def status_html(state: str) -> str:
     return f'<div class="status status-{html.escape(kind)}">{icon}: {html.escape(detail or state)}</div>'
 
 
-def refresh_status(engine):
-    """The banner's next state; the timer stops once the models serve."""
+def refresh_status(engine, turns):
+    """The banner's next state and the header (the models' names, once known); the timer stops
+    once the models serve."""
     state = engine.state
-    return status_html(state), gr.Timer(active=state.startswith("loading"))
+    return status_html(state), gr.Timer(active=state.startswith("loading")), header_html(engine, turns)
 
 
 def draft_length_for(mode):
     """K only matters where tokens are drafted."""
     return gr.update(interactive=mode != "autoregressive")
+
+
+# -- conversations kept in the browser --------------------------------------------------------
+def new_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def title_of(turns: list[dict]) -> str:
+    first = next((t["content"].strip() for t in turns if t["role"] == "user" and t["content"].strip()), "")
+    line = first.splitlines()[0] if first else ""
+    return (line[:TITLE_LENGTH] + "…" if len(line) > TITLE_LENGTH else line) or "New chat"
+
+
+def remember(store: dict, conv_id: str, turns: list[dict], system: str) -> dict:
+    """``store`` with the conversation ``conv_id`` as it is now (the newest first; the oldest
+    beyond :data:`MAX_CONVERSATIONS` dropped). An empty new conversation is not kept."""
+    kept = dict((store or {}).get("conversations", {}))
+    if turns or conv_id in kept:
+        kept[conv_id] = {"title": title_of(turns), "system": system, "turns": turns, "updated": time.time()}
+    newest = sorted(kept, key=lambda c: kept[c]["updated"], reverse=True)[:MAX_CONVERSATIONS]
+    return {"current": conv_id, "conversations": {c: kept[c] for c in newest}}
+
+
+def conversation_list(store: dict, conv_id: str) -> dict:
+    """The sidebar's list: every kept conversation, newest first, the open one selected."""
+    kept = store.get("conversations", {})
+    choices = [(kept[c]["title"], c) for c in sorted(kept, key=lambda c: kept[c]["updated"], reverse=True)]
+    if conv_id not in kept:
+        choices.insert(0, ("New chat", conv_id))
+    return gr.update(choices=choices, value=conv_id)
+
+
+def save(engine, store, conv_id, turns, system):
+    """After an answer (or an edit): keep the conversation in the browser; refresh the list and header."""
+    store = remember(store, conv_id, turns, system)
+    return store, conversation_list(store, conv_id), header_html(engine, turns)
+
+
+def show(engine, store: dict, conv_id: str, colour: bool) -> tuple:
+    """Open the conversation ``conv_id`` of ``store`` (a new, empty one if it is not there)."""
+    kept = store.get("conversations", {}).get(conv_id, {})
+    turns, system = kept.get("turns", []), kept.get("system", "")
+    store = {**store, "current": conv_id}
+    return (
+        store,
+        conv_id,
+        turns,
+        render_chat(turns, colour),
+        system,
+        conversation_list(store, conv_id),
+        header_html(engine, turns),
+        metrics_html({}),
+        {},
+        None,
+        "",
+    )
+
+
+def restore(engine, store, colour):
+    """The page opened: the conversation it had open last, else a new one."""
+    store = store or {}
+    return show(engine, store, store.get("current") or new_id(), colour)
+
+
+def new_chat(engine, store, colour):
+    return show(engine, store, new_id(), colour)
+
+
+def switch_chat(engine, store, conv_id, colour):
+    return show(engine, store, conv_id, colour)
+
+
+def delete_chat(engine, store, conv_id, colour):
+    """Forget the open conversation; open the newest other one (or a new one)."""
+    kept = {c: v for c, v in store.get("conversations", {}).items() if c != conv_id}
+    store = {"current": None, "conversations": kept}
+    newest = max(kept, key=lambda c: kept[c]["updated"], default=None)
+    return show(engine, store, newest or new_id(), colour)
+
+
+def export_chat(turns, system):
+    """The open conversation as a JSON file (everything, for import) and a Markdown file (to read)."""
+    if not turns:
+        gr.Warning("Nothing to export yet: send a message first.")
+        return gr.skip()
+    title = title_of(turns)
+    messages = [{k: t[k] for k in ("role", "content", "metrics") if k in t} for t in turns if not t.get("failed")]
+    folder = Path(tempfile.mkdtemp(prefix="specchat-export-"))
+    stem = re.sub(r"[^\w-]+", "-", title).strip("-")[:40] or "conversation"
+    (folder / f"{stem}.json").write_text(transcript.to_json(title, system, messages))
+    (folder / f"{stem}.md").write_text(transcript.to_markdown(title, system, messages))
+    return gr.update(value=[str(folder / f"{stem}.json"), str(folder / f"{stem}.md")], visible=True)
+
+
+def import_chat(engine, store, path, colour):
+    """A conversation file (JSON or Markdown, as exported) opened as a new conversation; a file
+    that is not one is refused with what is wrong, and nothing open is touched."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        title, system, messages = transcript.parse(Path(path).name, text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        reason = "it is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc)
+        gr.Warning(f"Could not import: {reason}")
+        return (gr.skip(),) * 11
+    conv_id = new_id()
+    store = remember(store, conv_id, messages, system)
+    store["conversations"][conv_id]["title"] = title
+    return show(engine, store, conv_id, colour)
 
 
 # -- compare handlers -------------------------------------------------------------------------
@@ -314,92 +572,125 @@ def run_stats(m: dict) -> str:
         f" · TTFT {_seconds(m['ttft_s'])}"
     )
     if m["mode"] != "autoregressive":
-        line = (
-            f"mode **{m['mode']}** · {line} · acceptance {m['acceptance_rate']:.0%}"
-            f" · mean accepted length {m['mean_accepted_length']:.2f}"
-        )
+        line = f"{line} · acceptance {m['acceptance_rate']:.0%} · mean accepted length {m['mean_accepted_length']:.2f}"
     return line
 
 
-def verdict_html(finals: dict, temperature: float) -> str:
-    """Speedup (AR wall / SD wall) and whether both runs produced the same tokens."""
-    if len(finals) < 2:
+def verdict_html(runs: dict, temperature: float) -> str:
+    """Speedup of the right run over the left (left wall / right wall) and whether both
+    produced the same tokens."""
+    if len(runs) < 2 or not all(r["final"] for r in runs.values()):
         return ""
-    ar, sd = finals["autoregressive"], finals["speculative"]
-    times = speedup(ar.metrics["wall_s"], sd.metrics["wall_s"]) or 0.0
-    if ar.token_ids == sd.token_ids:
+    left, right = runs["left"], runs["right"]
+    times = speedup(left["metrics"]["wall_s"], right["metrics"]["wall_s"]) or 0.0
+    if left["token_ids"] == right["token_ids"]:
         badge = '<span class="badge same">✓ identical output</span>'
     else:
         why = " (sampling: equal only in distribution)" if temperature > 0 else ""
         badge = f'<span class="badge differ">outputs differ{html.escape(why)}</span>'
-    walls = f"AR {ar.metrics['wall_s']:.2f} s / SD {sd.metrics['wall_s']:.2f} s"
+    walls = (
+        f"{html.escape(right['mode'])} {right['metrics']['wall_s']:.2f} s vs "
+        f"{html.escape(left['mode'])} {left['metrics']['wall_s']:.2f} s"
+    )
     return (
         f'<div class="verdict"><span class="speedup">{times:.2f}× speedup</span>'
         f'<span class="detail">{walls}</span>{badge}</div>'
     )
 
 
-def speed_frame(finals: dict) -> pd.DataFrame | None:
-    """Tokens/s of both modes (0 for one still to run): the bar chart draws only the bars it first saw."""
-    if not finals:
+def speed_frame(runs: dict) -> pd.DataFrame | None:
+    """Tokens/s of both runs (0 for one still to run): the bar chart draws only the bars it first saw."""
+    if not runs:
         return None
     rows = [
-        (mode, finals[mode].metrics["tokens_per_s"] if mode in finals else 0.0)
-        for mode in ("autoregressive", "speculative")
+        (f"{side}: {runs[side]['mode']}" if side in runs else side, runs[side]["metrics"]["tokens_per_s"])
+        if side in runs and runs[side]["final"]
+        else (f"{side}: …", 0.0)
+        for side in SIDES
     ]
-    return pd.DataFrame(rows, columns=["mode", "tokens_per_s"]).astype({"mode": str, "tokens_per_s": float})
+    return pd.DataFrame(rows, columns=["run", "tokens_per_s"]).astype({"run": str, "tokens_per_s": float})
 
 
-def compare(engine, prompt, mode, k, temperature, top_p, max_new_tokens, seed):
-    """Autoregressive, then the sidebar's speculative mode (the default one if the sidebar says
-    autoregressive), on the same prompt with fresh caches; both stream."""
-    fast = mode if mode != "autoregressive" else engine.modes[0]
-    messages = ({"role": "user", "content": prompt},)
-    texts = {"autoregressive": "", "speculative": ""}
-    metrics: dict[str, dict] = {"autoregressive": {}, "speculative": {}}
-    finals: dict = {}
-
-    def outputs():
-        return (
-            texts["autoregressive"],
-            texts["speculative"],
-            run_stats(metrics["autoregressive"]),
-            run_stats(metrics["speculative"]),
-            verdict_html(finals, float(temperature)),
-            speed_frame(finals),
-        )
-
+def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, seed, system=""):
+    """The prompt in the ``left`` mode, then in the ``right`` one, each with fresh caches (both
+    stream); then both answers race side by side at their measured pace."""
+    messages = conversation([{"role": "user", "content": prompt}], system)
+    settings = (k, temperature, top_p, max_new_tokens, seed)
     requests = {
-        side: make_request(messages, run_mode, k, temperature, top_p, max_new_tokens, seed, reuse_cache=False)
-        for side, run_mode in (("autoregressive", "autoregressive"), ("speculative", fast))
+        side: make_request(messages, mode, *settings, context=engine.max_context, reuse_cache=False)
+        for side, mode in zip(SIDES, (left, right))
     }
+    runs: dict[str, dict] = {}
     try:  # both sides checked before either runs
         for request in requests.values():
             engine.check(request)
     except EngineError as exc:
         gr.Warning(str(exc))
-        texts["speculative"] = f"⚠️ **Could not answer:** {exc}"
-        yield outputs()
+        yield "", f"⚠️ **Could not answer:** {exc}", "", "", "", None, gr.skip()
         return
     for side, request in requests.items():
+        run = runs[side] = {
+            "mode": request.mode,
+            "text": "",
+            "metrics": {},
+            "token_ids": [],
+            "timeline": [],
+            "final": False,
+        }
         events = engine.generate(request)
         try:
             for event in events.waiting(HEARTBEAT_S):
                 if event is None:
-                    yield (gr.skip(),) * 6
+                    yield (gr.skip(),) * 7
                     continue
                 if event.kind == "error":
                     gr.Warning(event.error)
-                    texts[side] = f"⚠️ **Could not answer:** {event.error}"
-                    yield outputs()
+                    run["text"] = f"⚠️ **Could not answer:** {event.error}"
+                    yield *compare_frame(runs, temperature), gr.skip()
                     return
-                texts[side] += event.text
-                metrics[side] = event.metrics
-                if event.final:
-                    finals[side] = event
-                yield outputs()
+                run["text"] += event.text
+                run["metrics"] = event.metrics
+                run["timeline"].append((event.metrics["wall_s"], len(run["text"]), event.metrics["new_tokens"]))
+                run["token_ids"], run["final"] = event.token_ids, event.final
+                yield *compare_frame(runs, temperature), gr.skip()
         finally:
             events.close()
+    yield from ((*frame, runs) for frame in race(runs, temperature))
+
+
+def compare_frame(runs: dict, temperature: float) -> tuple:
+    """The compare outputs as the runs stand (the one running shows what it has so far)."""
+    texts = [runs[s]["text"] if s in runs else "" for s in SIDES]
+    stats = [run_stats(runs[s]["metrics"]) if s in runs and runs[s]["final"] else "" for s in SIDES]
+    return *texts, *stats, verdict_html(runs, temperature), speed_frame(runs)
+
+
+def race(runs: dict, temperature: float):
+    """Both answers again from nothing, each at the pace it was measured at, with live counters;
+    the verdict once both have finished."""
+    if len(runs) < 2 or not all(r["final"] for r in runs.values()):
+        return
+    start = time.monotonic()
+    end = max(run["metrics"]["wall_s"] for run in runs.values())
+    while (now := time.monotonic() - start) < end:
+        shown = [_raced(runs[side], now) for side in SIDES]
+        yield shown[0][0], shown[1][0], shown[0][1], shown[1][1], "", gr.skip()
+        time.sleep(RACE_FRAME_S)
+    yield compare_frame(runs, temperature)
+
+
+def _raced(run: dict, now: float) -> tuple[str, str]:
+    """A run's text and live counter at ``now`` seconds into its replay."""
+    walls = [wall for wall, _, _ in run["timeline"]]
+    at = bisect.bisect_right(walls, now)
+    if at >= len(walls):
+        return run["text"], run_stats(run["metrics"])
+    chars, tokens = run["timeline"][at - 1][1:] if at else (0, 0)
+    return run["text"][:chars] + " ▌", f"**{tokens / max(now, 1e-3):.1f} tokens/s** · {tokens} tokens · {now:.1f} s"
+
+
+def race_again(runs, temperature):
+    yield from race(runs or {}, float(temperature))
 
 
 PAPER_COLUMNS = [c for c in paper.COLUMNS if c.key not in ("setup", "target_kv_kib", "draft_kv_kib")]
@@ -448,23 +739,67 @@ def table_markdown(rows: list[dict], note: str) -> str:
     return markdown_table(rows, PAPER_COLUMNS) + (f"\n\n_{note}_" if note else "")
 
 
+def engine_bound(fn: Callable, engine) -> Callable:
+    """``partial(fn, engine)`` as Gradio can read it: Gradio finds the parameter that takes an
+    event's data (``gr.EditData``...) by its type hint, which a partial hides."""
+    if inspect.isgeneratorfunction(fn):
+
+        def bound(*args):
+            yield from fn(engine, *args)
+    else:
+
+        def bound(*args):
+            return fn(engine, *args)
+
+    bound.__signature__ = inspect.Signature(list(inspect.signature(fn).parameters.values())[1:])  # type: ignore[attr-defined]
+    bound.__annotations__ = {name: hint for name, hint in fn.__annotations__.items() if name != "engine"}
+    bound.__name__, bound.__doc__ = fn.__name__, fn.__doc__
+    return bound
+
+
 # -- layout and wiring ------------------------------------------------------------------------
-def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
-    """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default: assets/examples.json)."""
+def build_app(engine, examples: list[dict] | None = None, secret: str | None = None) -> gr.Blocks:
+    """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default:
+    assets/examples.json). ``secret``: the key the conversations kept in each browser are
+    encrypted with (default: a new one, so they last as long as this server)."""
     examples = load_examples() if examples is None else examples
-    max_tokens = max(16, min(2048, engine.max_context))
+    max_tokens = max(16, min(MAX_CAP, engine.max_context))
     with gr.Blocks(
-        title="SpecChat · speculative decoding on CPU", analytics_enabled=False, fill_height=True, fill_width=True
+        title="SpecChat · speculative decoding on CPU",
+        analytics_enabled=False,
+        fill_height=True,
+        fill_width=True,
+        delete_cache=(3600, 3600),  # exported files
     ) as demo:
         turns = gr.State([])
+        conv_id = gr.State(new_id)
+        store = gr.BrowserState({}, storage_key=STORE_KEY, secret=secret)
         status = gr.HTML(status_html(engine.state), elem_id="status")
         status_timer = gr.Timer(1.0, active=engine.state != "ok")
-        status_timer.tick(
-            partial(refresh_status, engine), None, [status, status_timer], queue=False, api_visibility="private"
-        )
 
-        with gr.Sidebar(width=360, label="Settings"):
+        with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
+            with gr.Accordion("Conversations", open=True):
+                conversations = gr.Dropdown(
+                    [], label="Open conversation", elem_id="conversations", allow_custom_value=True
+                )
+                with gr.Row():
+                    new = gr.Button("New chat", size="sm", elem_id="new-chat")
+                    delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chat")
+                with gr.Row():
+                    export = gr.Button("Export", size="sm", elem_id="export")
+                    upload = gr.UploadButton(
+                        "Import", size="sm", file_types=[".json", ".md"], type="filepath", elem_id="import"
+                    )
+                exported = gr.File(label="Exported (JSON, Markdown)", file_count="multiple", visible=False)
+            system = gr.Textbox(
+                "",
+                label="System prompt",
+                lines=2,
+                max_lines=8,
+                placeholder="Empty: the model's own default",
+                elem_id="system",
+            )
             mode = gr.Radio(
                 list(engine.modes),
                 label="Decoding mode",
@@ -476,7 +811,13 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
             top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
             max_new_tokens = gr.Slider(
-                16, max_tokens, value=min(256, max_tokens), step=8, label="Max new tokens", elem_id="max-new-tokens"
+                0,
+                max_tokens,
+                value=0,
+                step=8,
+                label="Max new tokens",
+                info="0 = until the model stops (within the context); a cut answer can be continued",
+                elem_id="max-new-tokens",
             )
             seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
             gr.Markdown("### Live metrics")
@@ -497,14 +838,17 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
                 metrics_json = gr.JSON(label="metrics")
 
         with gr.Tab("Chat"):
+            header = gr.HTML(header_html(engine, []), elem_id="header")
             chatbot = gr.Chatbot(
                 label="Chat",
                 height=520,
                 elem_id="chatbot",
                 latex_delimiters=[],
+                editable="user",
                 buttons=["copy", "copy_all"],
                 placeholder="Ask for some code. Tokens stream as the target accepts them.",
             )
+            metrics_line = gr.HTML(elem_id="metrics-line")
             with gr.Row(equal_height=True):
                 colour = gr.Checkbox(False, label="Colour tokens by provenance", scale=0, min_width=260)
                 gr.HTML(legend_html())
@@ -521,7 +865,6 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
                 send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="send")
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", size="sm", elem_id="stop")
-                again = gr.Button("Retry", size="sm", elem_id="retry")
                 clear = gr.Button("Clear", size="sm", elem_id="clear")
             gr.Examples(
                 [[e["prompt"]] for e in examples],
@@ -532,34 +875,30 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
 
         with gr.Tab("Compare"):
             gr.Markdown(
-                "One prompt, autoregressive then the sidebar's speculative mode on the same engine "
-                "(fresh caches each); settings from the sidebar."
+                "One prompt in two modes, one after the other on the same engine (fresh caches each), "
+                "then both answers race side by side at the pace each was measured at. Other settings "
+                "from the sidebar."
             )
             prompt = gr.Textbox(label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "")
             with gr.Row():
-                run_compare = gr.Button("Compare", variant="primary")
+                left_mode = gr.Dropdown(list(engine.modes), value="autoregressive", label="Left", elem_id="left-mode")
+                right_mode = gr.Dropdown(list(engine.modes), value=engine.modes[0], label="Right", elem_id="right-mode")
+            with gr.Row():
+                run_compare = gr.Button("Compare", variant="primary", elem_id="run-compare")
+                again = gr.Button("Race again", elem_id="race-again")
                 run_table = gr.Button("Paper table (N = 40, 100; greedy)")
                 stop_compare = gr.Button("Stop", variant="stop")
             verdict = gr.HTML(elem_id="verdict")
+            panes = []
             with gr.Row(equal_height=True):
-                with gr.Column():
-                    gr.Markdown("#### Autoregressive")
-                    ar_text = gr.Markdown(height=320, container=True, latex_delimiters=[])
-                    ar_stats = gr.Markdown()
-                with gr.Column():
-                    gr.Markdown("#### Speculative")
-                    sd_text = gr.Markdown(height=320, container=True, latex_delimiters=[])
-                    sd_stats = gr.Markdown()
+                for side in SIDES:
+                    with gr.Column():
+                        text = gr.Markdown(height=320, container=True, latex_delimiters=[], elem_id=f"{side}-text")
+                        stats = gr.Markdown(elem_id=f"{side}-stats")
+                        panes.append((text, stats))
+            runs = gr.State({})
             speed_bars = gr.BarPlot(
-                None,
-                x="mode",
-                y="tokens_per_s",
-                color="mode",
-                height=220,
-                title="tokens/s",
-                y_title="tokens/s",
-                y_lim=[0, None],
-                color_map={"autoregressive": "#94a3b8", "speculative": "#4f46e5"},
+                None, x="run", y="tokens_per_s", color="run", height=220, title="tokens/s", y_lim=[0, None]
             )
             table = gr.Markdown(elem_id="paper-table")
             gr.Examples(
@@ -571,45 +910,78 @@ def build_app(engine, examples: list[dict] | None = None) -> gr.Blocks:
 
         # -- wiring --
         settings = [mode, k, temperature, top_p, max_new_tokens, seed]
-        chat_out = [message, chatbot, turns, metrics_panel, metrics_json, tps_plot]
+        chat_in = [turns, colour, *settings, system]
+        chat_out = [message, chatbot, turns, metrics_panel, metrics_json, tps_plot, metrics_line]
+        opened = [store, conv_id, turns, chatbot, system, conversations, header, *chat_out[3:]]
+        saved = {
+            "fn": partial(save, engine),
+            "inputs": [store, conv_id, turns, system],
+            "outputs": [store, conversations, header],
+        }
+        answering = {"show_progress_on": chatbot, **ENGINE_QUEUE}
         chat_events = [
             gr.on(
                 [message.submit, send.click],
                 partial(respond, engine),
-                [message, turns, colour, *settings],
+                [message, *chat_in],
                 chat_out,
                 api_name="respond",
-                show_progress_on=chatbot,
-                **ENGINE_QUEUE,
+                **answering,
             ),
-            again.click(
-                partial(retry, engine),
-                [turns, colour, *settings],
-                chat_out,
-                api_name="retry",
-                show_progress_on=chatbot,
-                **ENGINE_QUEUE,
+            chatbot.retry(partial(retry, engine), chat_in, chat_out, api_name="retry", **answering),
+            chatbot.edit(engine_bound(edit, engine), chat_in, chat_out, api_visibility="private", **answering),
+            chatbot.option_select(
+                engine_bound(chosen_option, engine), chat_in, chat_out, api_visibility="private", **answering
             ),
         ]
+        for event in chat_events:
+            event.then(**saved, queue=False, api_visibility="private")
         stop.click(None, cancels=chat_events).then(
-            stopped, metrics_json, metrics_panel, queue=False, api_visibility="private"
+            stopped,
+            [turns, colour, metrics_json],
+            [chatbot, turns, metrics_panel],
+            queue=False,
+            api_visibility="private",
+        ).then(**saved, queue=False, api_visibility="private")
+        chatbot.undo(undo, [turns, colour], [message, chatbot, turns], queue=False, api_visibility="private").then(
+            **saved, queue=False, api_visibility="private"
         )
-        clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False)
+        clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False).then(
+            **saved, queue=False, api_visibility="private"
+        )
+        chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private").then(
+            **saved, queue=False, api_visibility="private"
+        )
+        system.blur(**saved, queue=False, api_visibility="private")
 
         def engine_health() -> dict:
             """Whether the engine is making progress, and how many requests wait for it or use it."""
             return {"healthy": engine.healthy, "pending": engine.pending}
 
         gr.api(engine_health, api_name="health", queue=False)
-        chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, queue=False, api_visibility="private")
-        colour.change(render_chat, [turns, colour], chatbot, queue=False, api_visibility="private")
-        mode.change(draft_length_for, mode, k, queue=False, api_visibility="private")
+        private = {"queue": False, "api_visibility": "private"}
+        status_timer.tick(partial(refresh_status, engine), turns, [status, status_timer, header], **private)
+        demo.load(partial(restore, engine), [store, colour], opened, js=CLOSE_SIDEBAR_ON_PHONES, **private)
+        new.click(partial(new_chat, engine), [store, colour], opened, cancels=chat_events, **private)
+        delete.click(partial(delete_chat, engine), [store, conv_id, colour], opened, cancels=chat_events, **private)
+        conversations.input(
+            partial(switch_chat, engine), [store, conversations, colour], opened, cancels=chat_events, **private
+        )
+        upload.upload(partial(import_chat, engine), [store, upload, colour], opened, **private)
+        export.click(export_chat, [turns, system], exported, **private)
+        colour.change(render_chat, [turns, colour], chatbot, **private)
+        mode.change(draft_length_for, mode, k, **private)
 
-        compare_out = [ar_text, sd_text, ar_stats, sd_stats, verdict, speed_bars]
+        compare_out = [panes[0][0], panes[1][0], panes[0][1], panes[1][1], verdict, speed_bars]
         compare_events = [
             run_compare.click(
-                partial(compare, engine), [prompt, *settings], compare_out, api_name="compare", **ENGINE_QUEUE
+                partial(compare, engine),
+                [prompt, left_mode, right_mode, k, temperature, top_p, max_new_tokens, seed, system],
+                [*compare_out, runs],
+                api_name="compare",
+                **ENGINE_QUEUE,
             ),
+            again.click(race_again, [runs, temperature], compare_out, api_visibility="private"),
             run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table", **ENGINE_QUEUE),
         ]
         stop_compare.click(None, cancels=compare_events)  # type: ignore[arg-type]  # Gradio takes its events here
@@ -644,6 +1016,7 @@ def launch(
             max_file_size="1mb",  # nothing here takes uploads
             theme=THEME,
             css_paths=[ASSETS / "style.css"],
+            css=markdown.highlight_css(),
             footer_links=["api", "settings"],
         )
     if api is not None:
@@ -722,6 +1095,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def browser_secret(folder: Path) -> str | None:
+    """The key the conversations kept in browsers are encrypted with, kept in the cache folder so
+    that they open again after a restart (``$SPECCHAT_BROWSER_SECRET`` overrides it; None, a
+    key for this run only, where the folder cannot be written)."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = folder / "browser-secret"
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_urlsafe(24))
+        return path.read_text().strip() or None
+    except OSError as exc:
+        logging.getLogger("specchat").warning(f"conversations kept in browsers will not survive a restart: {exc}")
+        return None
+
+
 def start_engine(args: argparse.Namespace) -> Engine:
     """Prepare the models (converting them on first use) and load them, once."""
     target, draft = prepare_from_args(args)
@@ -751,7 +1142,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     api = build_router(engine, args.target, models, args.api_key)
     try:
-        launch(build_app(engine), args.host, args.port, args.share, auth, api=api, api_key=args.api_key)
+        demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
+        launch(demo, args.host, args.port, args.share, auth, api=api, api_key=args.api_key)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

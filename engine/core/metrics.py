@@ -79,3 +79,34 @@ class Stats:
             "sharing": self.sharing,
             "queue_s": self.queue_s,
         }
+
+
+class Baseline:
+    """Plain (autoregressive) decoding speed as measured on this engine, by context length: what
+    a speculative answer's speedup is measured against without running it twice.
+
+    An answer of ``n`` tokens decoded plainly would take its own time to first token (the same
+    target prefill in every mode) plus ``n - 1`` plain steps at the measured cost per step for
+    its context length (steps slow down as the context grows: buckets by powers of two)."""
+
+    MIN_TOKENS = 8  # shorter plain answers measure the step cost too noisily
+    SMALLEST = 8  # contexts up to 2**8 tokens share the first bucket
+
+    def __init__(self) -> None:
+        self._step_s: dict[int, float] = {}
+
+    def _bucket(self, m: dict) -> int:
+        return max(self.SMALLEST, (m["prompt_tokens"] + m["new_tokens"] // 2).bit_length())
+
+    def record(self, m: dict) -> None:
+        """Learn from a finished answer: a plain one served alone sets its bucket's step cost."""
+        alone = m["sharing"] == 1 and m["batch_size"] == 1
+        if m["mode"] == "autoregressive" and alone and m["new_tokens"] >= self.MIN_TOKENS and m["ttft_s"]:
+            self._step_s[self._bucket(m)] = (m["wall_s"] - m["ttft_s"]) / (m["new_tokens"] - 1)
+
+    def speedup(self, m: dict) -> float | None:
+        """The answer's speedup over plain decoding, where this context length was measured."""
+        step = self._step_s.get(self._bucket(m))
+        if step is None or not m["ttft_s"] or m["wall_s"] <= 0:
+            return None
+        return (m["ttft_s"] + (m["new_tokens"] - 1) * step) / m["wall_s"]

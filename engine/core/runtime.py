@@ -18,6 +18,8 @@ import openvino as ov
 from engine.core import graph
 from engine.errors import ContextLimitError, PrepareError
 
+# What `engine.prepare` writes beside each model it converts: its source, precision, versions.
+MANIFEST = "manifest.json"
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
 # on this CPU that cuts a decode step by a quarter against the plugin's default of 32
@@ -59,6 +61,15 @@ def release_states(request: ov.InferRequest, empty: np.ndarray) -> None:
     (a ``reset_state`` keeps it)."""
     for state in request.query_state():
         state.state = ov.Tensor(empty)
+
+
+def model_label(ir_dir: Path, hf_config: dict) -> str:
+    """The model's name and weight precision, for people: from its manifest, else its config."""
+    manifest = ir_dir / MANIFEST
+    if manifest.exists():
+        recorded = json.loads(manifest.read_text())
+        return f"{recorded.get('source', ir_dir.name)} · {recorded.get('precision', '?')}"
+    return str(hf_config.get("_name_or_path") or ir_dir.name)
 
 
 class Runtime:
@@ -111,6 +122,7 @@ class Runtime:
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
+        self.label = model_label(self.ir_dir, hf_config)
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         self._kv_bytes_per_token = self._kv_bytes(hf_config)
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).

@@ -30,7 +30,7 @@ from engine.core.chat import check_messages
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.drafters import Drafter
 from engine.core.memory import return_freed_buffers
-from engine.core.metrics import Stats
+from engine.core.metrics import Baseline, Stats
 from engine.core.modes import MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
@@ -64,10 +64,15 @@ log = logging.getLogger("specchat.engine")
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids."""
+    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids.
+
+    ``answer_ids``: the token ids of an answer cut short (by its cap, or a Stop) to the last
+    message of ``messages``: the request continues that answer from where it stopped, its
+    tokens exactly as generated (re-tokenized text could split differently)."""
 
     messages: tuple[dict, ...] = ()
     prompt_ids: tuple[int, ...] = ()
+    answer_ids: tuple[int, ...] = ()
     mode: str = "speculative"
     k: int = 4
     max_new_tokens: int = 256
@@ -95,6 +100,8 @@ class Request:
         ):
             raise EngineError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
         check_messages(self.messages)
+        if self.answer_ids and not self.messages:
+            raise EngineError("answer_ids continue an answer to messages: send the messages too")
 
 
 def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
@@ -119,7 +126,7 @@ class Event:
     text: str = ""
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance) per token
     metrics: dict = field(default_factory=dict)
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # a delta's round; every token of the answer at the end
     error: str = ""
 
     @property
@@ -265,6 +272,7 @@ class Engine:
             max_sessions or default_capacity(per_token, self.max_context),
         )
         self.step_timeout = step_timeout
+        self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
@@ -328,6 +336,11 @@ class Engine:
         return self._worker.is_alive() and not stuck
 
     @property
+    def models(self) -> dict[str, str]:
+        """Each role's model name and precision, for people."""
+        return {"target": self.target.label} | ({"draft": self.draft.label} if self.draft else {})
+
+    @property
     def state(self) -> str:
         """One word for ``/health``."""
         return "ok" if self.healthy else "unhealthy"
@@ -371,6 +384,9 @@ class Engine:
                 raise self._too_long(f"{characters:,} characters")
             with self._tokenizing:
                 ids = chat.prompt_ids(self.tokenizer, request.messages)
+        if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
+            raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
+        ids += request.answer_ids
         if len(ids) > self.max_input_tokens:
             raise self._too_long(f"{len(ids):,} tokens")
         return ids
@@ -417,7 +433,7 @@ class Engine:
             drafter = job.session.drafters.get(job.request.mode)
             job.decoder = Decoder(job.session.target, drafter, job.prompt, config, job.stats)
             job.prefill = job.decoder.prefill()
-            job.detok = IncrementalDecoder(self.tokenizer)
+            job.detok = IncrementalDecoder(self.tokenizer, job.request.answer_ids)
             job.stops = StopStrings(job.request.stop_strings)
 
         self._serving.append(job)
@@ -487,7 +503,7 @@ class Engine:
         pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
         job.out += round_.tokens
         delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
-        self._put(job, Event("delta", delta, pieces, job.stats.snapshot()))
+        self._put(job, Event("delta", delta, pieces, job.stats.snapshot(), list(round_.tokens)))
         if stopped:
             self._finish(job, "stop")
         elif job.cancel.is_set():
@@ -505,10 +521,13 @@ class Engine:
             self._batch.leave(job.key, write_back=not error)
         job.stats.finish_reason = reason
         self._serving.remove(job)
+        metrics = job.stats.snapshot()
         if error:
-            self._put(job, Event("error", error=error, metrics=job.stats.snapshot(), token_ids=job.out))
-        else:
-            self._put(job, Event("done", metrics=job.stats.snapshot(), token_ids=job.out))
+            self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))
+            return
+        self.baseline.record(metrics)
+        metrics["speedup_vs_ar"] = 1.0 if metrics["mode"] == "autoregressive" else self.baseline.speedup(metrics)
+        self._put(job, Event("done", metrics=metrics, token_ids=job.out))
 
     def _guard(self, jobs: list[_Job], work: Callable[[], None]) -> None:
         """Run ``work`` for ``jobs``; a failure ends those requests only, with a clear message
@@ -646,6 +665,10 @@ class Loading:
     @property
     def max_context(self) -> int:
         return self.engine.max_context if self.engine is not None else self.CONTEXT_WHILE_LOADING
+
+    @property
+    def models(self) -> dict[str, str]:
+        return self.engine.models if self.engine is not None else {}
 
     def check(self, request: Request) -> list[int]:
         if self.engine is None:

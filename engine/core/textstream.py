@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas.
@@ -11,11 +13,14 @@ class IncrementalDecoder:
     short window and holds back output while it ends in an incomplete character.
     """
 
-    def __init__(self, tokenizer):
+    CONTEXT = 4  # earlier tokens kept as the window's start when continuing a text
+
+    def __init__(self, tokenizer, before: Sequence[int] = ()):
+        """``before``: the tokens of the text this stream continues (their text is not repeated)."""
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(before[-self.CONTEXT :])
         self.prefix = 0  # window start: context for spacing rules
-        self.read = 0  # tokens already turned into text
+        self.read = len(self.ids)  # tokens already turned into text
 
     def push(self, token: int) -> str:
         self.ids.append(token)

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+from engine.core.runtime import MANIFEST
 from engine.errors import PrepareError, TokenizerMismatchError
 from engine.prepare import disk, embedded, sources, vocab
 from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
 from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
-MANIFEST = "manifest.json"
 # A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
 PERSISTENT_STORAGE = Path("/data")
 

@@ -100,21 +100,28 @@ def message_text(message: dict) -> str:
     return "".join(p["text"] for p in message["content"] if p.get("type") == "text")
 
 
+def said(output: list) -> list[dict]:
+    """The chat messages in an output of the chat endpoint, without the answers' footers (the
+    collapsible lines of figures, which Gradio marks with a title)."""
+    return [m for m in output[1] if not (m.get("metadata") or {}).get("title")] if output and output[1] else []
+
+
 def last_text(output: list) -> str:
     """The text of the last chat message in an output of the chat endpoint (empty if none)."""
-    return message_text(output[1][-1]) if output and output[1] else ""
+    messages = said(output)
+    return message_text(messages[-1]) if messages else ""
 
 
 def nan_settings(url: str, n: int) -> tuple[bool, float]:
     start = time.monotonic()
-    body = json.dumps({"data": ["hello", [], False, *GREEDY[:2], None, 1.0, n, -1]}).replace("null", "NaN")
+    body = json.dumps({"data": ["hello", [], False, *GREEDY[:2], None, 1.0, n, -1, ""]}).replace("null", "NaN")
     text = last_text(raw_call(url, "respond", body, 30))
     return "temperature must be" in text, time.monotonic() - start
 
 
 def huge_message(url: str, n: int) -> tuple[bool, float]:
     start = time.monotonic()
-    body = json.dumps({"data": ["x" * 2**20, [], False, *GREEDY, n, -1]})
+    body = json.dumps({"data": ["x" * 2**20, [], False, *GREEDY, n, -1, ""]})
     text = last_text(raw_call(url, "respond", body, 30))
     return "characters long" in text, time.monotonic() - start
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.errors import EngineError
 from engine.tools.bench import load_prompts
-from engine.tools.chaos import app_server, last_text, peak_rss_gib, require_loopback
+from engine.tools.chaos import app_server, last_text, peak_rss_gib, require_loopback, said
 from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
 
 COLUMNS = [
@@ -83,7 +83,7 @@ def converse(
         try:
             job = client.submit(message, False, *settings, max_new_tokens, -1, api_name="/respond")
             for output in job:
-                if answer.ttft_s is None and len(output[1]) == 2 * turn + 2 and last_text(output):
+                if answer.ttft_s is None and len(said(output)) == 2 * turn + 2 and last_text(output):
                     answer.ttft_s = time.monotonic() - start
             output = job.outputs()[-1]
             answer.text, answer.metrics = last_text(output), chat_metrics(output)

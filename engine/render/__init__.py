@@ -1,0 +1,1 @@
+"""What people read: answers as HTML, conversations as files (no UI framework here)."""
