@@ -557,8 +557,8 @@ def import_chat(engine, store, path, colour):
         reason = "it is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc)
         gr.Warning(f"Could not import: {reason}")
         return (gr.skip(),) * 11
-    conv_id = new_id()
-    store = remember(store, conv_id, messages, system)
+    conv_id = new_id()  # (figures recorded in the file are not shown: they describe another run)
+    store = remember(store, conv_id, [{"role": m["role"], "content": m["content"]} for m in messages], system)
     store["conversations"][conv_id]["title"] = title
     return show(engine, store, conv_id, colour)
 
@@ -849,7 +849,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
                 placeholder="Ask for some code. Tokens stream as the target accepts them.",
             )
             metrics_line = gr.HTML(elem_id="metrics-line")
-            with gr.Row(equal_height=True):
+            with gr.Row():
                 colour = gr.Checkbox(False, label="Colour tokens by provenance", scale=0, min_width=260)
                 gr.HTML(legend_html())
             with gr.Row(equal_height=True):

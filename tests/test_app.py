@@ -9,17 +9,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import gradio as gr
 import httpx
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
-from engine.render import markdown
 from engine.api.openai import build_router
 from engine.cli import free_port
 from engine.core.service import Loading
 from engine.errors import PrepareError
+from engine.render import markdown
 from engine.tools import chaos
 from tests.test_decoding import idle, slowed
 
@@ -176,6 +177,74 @@ class SlowStream:
         self.engine.closed.set()
 
 
+def test_the_system_prompt_goes_to_the_model_through_the_chat_template(client, engine):
+    answer = last_answer(ask(client, "def add(a, b):", system="Answer in French.").outputs()[-1])
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "def add(a, b):"}]
+    values = {k: v for k, v in GREEDY.items() if k != "colour"}
+    expected = engine.run(app.make_request(messages, *values.values(), context=engine.max_context))
+    assert answer == engine.text(expected.token_ids).strip()  # (the chat drops the answer's outer spaces)
+    assert answer != last_answer(ask(client, "def add(a, b):").outputs()[-1])  # (the prompt did change)
+
+
+def test_each_answer_has_a_footer_of_its_figures_and_a_cut_one_offers_continue(client):
+    client.predict(api_name="/clear")
+    output = ask(client, "def add(a, b):", max_new_tokens=16).outputs()[-1]
+    footer = output[1][-1]
+    assert footer["metadata"]["title"] == app.footer_line(output[3]) == output[5]  # the phone line too
+    assert "speculative · 16 tokens" in footer["metadata"]["title"] and "tokens/s" in footer["metadata"]["title"]
+    assert footer["options"] == [{"value": app.CONTINUE, "label": "Continue ▸"}]
+    assert "time to first token" in text(footer)
+
+
+def test_a_footer_names_the_speedup_measured_where_plain_decoding_was_measured():
+    m = {
+        "mode": "best",
+        "new_tokens": 64,
+        "tokens_per_s": 30.0,
+        "acceptance_rate": 0.8,
+        "mean_accepted_length": 3.1,
+        "finish_reason": "stop",
+        "expected_speedup": 1.7,
+        "sharing": 1,
+    }
+    assert app.footer_line({**m, "speedup_vs_ar": 1.62}).endswith("1.62× vs autoregressive (measured)")
+    assert app.footer_line({**m, "speedup_vs_ar": None}).endswith("≈1.70× vs autoregressive (expected)")
+    assert app.footer_line({**m, "mode": "autoregressive", "speedup_vs_ar": 1.0}) == (
+        "autoregressive · 64 tokens · 30.0 tokens/s"
+    )
+
+
+def test_conversations_are_kept_newest_first_and_the_oldest_dropped(monkeypatch):
+    store: dict = {}
+    for n in range(app.MAX_CONVERSATIONS + 2):
+        monkeypatch.setattr(app.time, "time", lambda n=n: 1000.0 + n)
+        store = app.remember(store, f"c{n}", [{"role": "user", "content": f"question {n}\nmore"}], "")
+    kept = store["conversations"]
+    assert len(kept) == app.MAX_CONVERSATIONS and "c0" not in kept and "c1" not in kept
+    assert kept["c5"]["title"] == "question 5" and store["current"] == f"c{app.MAX_CONVERSATIONS + 1}"
+    assert app.remember(store, "new", [], "") == {**store, "current": "new"}  # an empty new chat is not kept
+    listed = app.conversation_list(store, "c5")
+    assert listed["value"] == "c5" and listed["choices"][0] == (f"question {app.MAX_CONVERSATIONS + 1}", f"c{n}")
+
+
+def test_an_exported_conversation_imports_as_a_new_one_and_a_bad_file_changes_nothing(engine, tmp_path):
+    turns = [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "```python\nreturn a + b\n```", "metrics": {"new_tokens": 9}},
+    ]
+    files = app.export_chat(turns, "Be brief.")["value"]
+    assert [f.rsplit(".", 1)[1] for f in files] == ["json", "md"]
+    for path in files:
+        store, conv_id, opened, _chat, system, *_ = app.import_chat(engine, {}, path, False)
+        assert [(t["role"], t["content"]) for t in opened] == [(t["role"], t["content"]) for t in turns]
+        assert system == "Be brief." and store["conversations"][conv_id]["title"] == "def add(a, b):"
+    bad = tmp_path / "notes.md"
+    bad.write_text("# notes, not a conversation")
+    with pytest.warns(UserWarning, match="not a SpecChat export"):
+        unchanged = app.import_chat(engine, {}, str(bad), False)
+    assert unchanged == (gr.skip(),) * len(unchanged)
+
+
 # -- many users -------------------------------------------------------------------------------
 def test_two_concurrent_clients_each_get_their_own_answer(url):
     prompts = ["def add(a, b):", "emoji 🙂 🚀 ✨"]
@@ -211,6 +280,8 @@ def test_compare_streams_both_modes_and_greedy_outputs_are_identical(client):
     assert "tokens/s" in ar_stats and "acceptance" in sd_stats and "acceptance" not in ar_stats
     assert "identical output" in verdict and "speedup" in verdict and "hybrid" in verdict
     assert [row[0] for row in bars["data"]] == ["left: autoregressive", "right: hybrid"]
+    texts = [o[1] for o in job.outputs() if isinstance(o[1], str)]
+    assert any(t.endswith(" ▌") for t in texts)  # the race replayed the answer as it was measured
 
 
 def test_paper_table_has_a_row_per_mode_and_length(client):

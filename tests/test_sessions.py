@@ -72,3 +72,44 @@ def test_a_failure_to_find_a_session_ends_the_request_with_an_error(two_sessions
     monkeypatch.setattr(two_sessions.sessions, "take", out_of_memory)
     final = two_sessions.run(Request(({"role": "user", "content": "hi"},), max_new_tokens=4))
     assert final.kind == "error" and "internal error" in final.error  # not a stream left waiting
+
+
+@pytest.mark.parametrize("mode", ["best", "speculative", "autoregressive"])
+def test_continue_extends_a_cut_answer_from_the_caches_as_if_it_was_never_cut(two_sessions, mode):
+    """Continue (answer_ids) after a cap or a Stop: the same tokens as one uncut answer, and only
+    the last token of the cut answer is read again."""
+    engine = two_sessions
+    messages = ({"role": "user", "content": "def add(a, b): return a + b. Now subtract."},)
+    whole = engine.run(Request(messages, mode=mode, max_new_tokens=2 * ANSWER, reuse_cache=False))
+    first = engine.run(Request(messages, mode=mode, max_new_tokens=ANSWER, reuse_cache=False))
+    rest = engine.run(Request(messages, answer_ids=tuple(first.token_ids), mode=mode, max_new_tokens=ANSWER))
+    assert first.metrics["finish_reason"] == "length"
+    assert first.token_ids + rest.token_ids == whole.token_ids
+    assert rest.metrics["cached_tokens"] == rest.metrics["prompt_tokens"] - 1
+    text = engine.text(first.token_ids) + "".join(
+        e.text
+        for e in engine.generate(Request(messages, answer_ids=tuple(first.token_ids), mode=mode, max_new_tokens=ANSWER))
+    )
+    assert text == engine.text(whole.token_ids)  # the continued text joins without a seam
+
+
+def test_continuing_with_token_ids_outside_the_vocabulary_is_refused(two_sessions):
+    messages = ({"role": "user", "content": "hi"},)
+    final = two_sessions.run(Request(messages, answer_ids=(two_sessions.target.vocab_size,), max_new_tokens=4))
+    assert final.kind == "error" and "answer_ids must be token ids" in final.error
+    final = two_sessions.run(Request(answer_ids=(1, 2), prompt_ids=(3, 4), max_new_tokens=4))
+    assert final.kind == "error" and "send the messages too" in final.error
+
+
+def test_a_speculative_answer_is_measured_against_plain_decoding_of_its_context_length(two_sessions):
+    engine = two_sessions
+    messages = ({"role": "user", "content": "The quick brown fox jumps over the lazy dog, twice."},)
+    engine.baseline = type(engine.baseline)()  # nothing measured yet
+    unmeasured = engine.run(Request(messages, mode="best", max_new_tokens=ANSWER, reuse_cache=False))
+    assert unmeasured.metrics["speedup_vs_ar"] is None  # the footer then says "expected"
+    plain = engine.run(Request(messages, mode="autoregressive", max_new_tokens=ANSWER, reuse_cache=False))
+    fast = engine.run(Request(messages, mode="best", max_new_tokens=ANSWER, reuse_cache=False))
+    m, p = fast.metrics, plain.metrics
+    step = (p["wall_s"] - p["ttft_s"]) / (p["new_tokens"] - 1)
+    assert plain.metrics["speedup_vs_ar"] == 1.0
+    assert m["speedup_vs_ar"] == pytest.approx((m["ttft_s"] + (m["new_tokens"] - 1) * step) / m["wall_s"])
