@@ -961,14 +961,16 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
         gr.api(engine_health, api_name="health", queue=False)
         private = {"queue": False, "api_visibility": "private"}
         status_timer.tick(partial(refresh_status, engine), turns, [status, status_timer, header], **private)
-        demo.load(partial(restore, engine), [store, colour], opened, js=CLOSE_SIDEBAR_ON_PHONES, **private)
+        demo.load(partial(restore, engine), [store, colour], opened, **private)
+        demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
         new.click(partial(new_chat, engine), [store, colour], opened, cancels=chat_events, **private)
         delete.click(partial(delete_chat, engine), [store, conv_id, colour], opened, cancels=chat_events, **private)
         conversations.input(
             partial(switch_chat, engine), [store, conversations, colour], opened, cancels=chat_events, **private
         )
-        upload.upload(partial(import_chat, engine), [store, upload, colour], opened, **private)
-        export.click(export_chat, [turns, system], exported, **private)
+        # (queued: a warning reaches the page only through the queue)
+        upload.upload(partial(import_chat, engine), [store, upload, colour], opened, api_visibility="private")
+        export.click(export_chat, [turns, system], exported, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, **private)
         mode.change(draft_length_for, mode, k, **private)
 

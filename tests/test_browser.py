@@ -1,9 +1,14 @@
-"""The page in a real Chromium: tokens stream, metrics move, the mode toggles.
+"""The page in a real Chromium: tokens stream, metrics move, the mode toggles; the chat's
+features (system prompt, Markdown with provenance, Continue, edit/undo/retry, conversations
+kept across reloads with export and import, footers and header, the phone layout, the
+Compare race).
 
-On the real default pair (where it is prepared) it also takes the README screenshot."""
+On the real default pair (where it is prepared) it also takes the README screenshots."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +16,7 @@ from playwright.sync_api import expect, sync_playwright
 
 import app
 from tests.test_app import SlowEngine, serve
+from tests.test_decoding import slowed
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -22,7 +28,10 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "screenshot.png"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ANSWERS = '#chatbot .message:not(.thought) > [data-testid="bot"]'  # answers, not their footers
+FOOTERS = "#chatbot .thought"
+PHONE = {"width": 390, "height": 844}
 
 pytestmark = [
     pytest.mark.browser,
@@ -57,13 +66,14 @@ def open_app(browser):
     """Serve the app on an engine and open it in a new page; everything is closed afterwards."""
     opened = []
 
-    def open_app(engine):
+    def open_app(engine, viewport: dict | None = None, query: str = ""):
         demo, url = serve(engine)
-        page = browser.new_page(viewport={"width": 1440, "height": 1350})
+        page = browser.new_page(viewport=viewport or {"width": 1440, "height": 1350})
         opened.append((demo, page))
         page.set_default_timeout(30_000)
-        page.goto(url)
+        page.goto(url + query)
         page.wait_for_selector("#message textarea")
+        page.wait_for_function("() => document.querySelector('#conversations input')?.value")  # restored
         return page
 
     yield open_app
@@ -77,16 +87,29 @@ def send(page, message: str, mode: str) -> None:
     page.evaluate(WATCH)
     page.fill("#message textarea", message)
     page.click("#send")
+    finished(page)
+    assert page.get_attribute("#metrics .metrics", "data-mode") == mode
+
+
+def finished(page) -> None:
+    """Wait until the answer streaming (as :data:`WATCH` saw) has finished without an error."""
     page.wait_for_function("""() => window.seen.metrics.some(m => m.includes('streaming') || m.includes('error'))
         && /length|stop|context|error/.test(document.querySelector('#metrics .finish')?.innerText)""")
     assert page.inner_text("#metrics .finish") != "error", page.inner_text("#chatbot")
-    assert page.get_attribute("#metrics .metrics", "data-mode") == mode
+
+
+def set_cap(page, tokens: int) -> None:
+    page.fill("#max-new-tokens input[type=number]", str(tokens))
+    page.press("#max-new-tokens input[type=number]", "Enter")
+
+
+def answers(page) -> list[str]:
+    return page.locator(ANSWERS).all_inner_texts()
 
 
 def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_path):
     page = open_app(engine)
-    page.fill("#max-new-tokens input[type=number]", "64")  # two turns within the tiny model's input cap
-    page.press("#max-new-tokens input[type=number]", "Enter")
+    set_cap(page, 64)  # two turns within the tiny model's input cap
     send(page, "def add(a, b):", "best")  # the default mode
     seen = page.evaluate("window.seen")
     assert len([a for a in seen["answer"] if a]) >= 3, "the answer did not stream"
@@ -96,7 +119,7 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_p
     page.locator("#mode").get_by_text("autoregressive", exact=True).click()
     send(page, "for i in range(10):", "autoregressive")
     assert "%" not in page.inner_text("#metrics")
-    assert page.locator('#chatbot [data-testid="bot"]').count() == 2
+    assert page.locator(ANSWERS).count() == 2
     assert "Could not answer" not in page.inner_text("#chatbot")
 
     page.click("#clear")
@@ -106,40 +129,267 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_p
     page.get_by_role("button", name=example["label"]).click()
     expect(page.locator("#message textarea")).to_have_value(example["prompt"])
     send(page, example["prompt"], "speculative")
-    assert page.locator('#chatbot [data-testid="bot"]').count() == 1
-    assert page.locator("#chatbot .token-view .tok").count() > 0
+    assert page.locator(ANSWERS).count() == 1
+    assert page.locator("#chatbot .answer .tok").count() > 0
     page.wait_for_timeout(500)  # the plot's last redraw
     page.screenshot(path=str(tmp_path / "tiny.png"))
     assert (tmp_path / "tiny.png").stat().st_size > 10_000
 
 
-@pytest.mark.real
-def test_real_pair_answers_in_the_browser_and_the_screenshot_is_taken(open_app, real_pair):
-    from engine.core.service import Engine
-
-    page = open_app(Engine(*real_pair))
-    page.get_by_label("Colour tokens by provenance").check()
-    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
-    page.get_by_role("button", name=example["label"]).click()
-    send(page, example["prompt"], "best")
-    assert "class" in page.locator('#chatbot [data-testid="bot"]').inner_text()
-    page.wait_for_timeout(500)  # the plot's last redraw
-    page.screenshot(path=str(SCREENSHOT))
-    assert SCREENSHOT.stat().st_size > 10_000
-
-
-def test_stop_button_ends_the_stream_and_keeps_the_partial_answer(open_app, engine):
+def test_stop_button_ends_the_stream_and_keeps_the_partial_answer_which_can_be_continued(open_app, engine):
     slow = SlowEngine(engine, delay=0.05)
     page = open_app(slow)
-    page.fill("#max-new-tokens input[type=number]", "200")
-    page.press("#max-new-tokens input[type=number]", "Enter")
+    set_cap(page, 200)
     page.fill("#message textarea", "def add(a, b):")
     page.click("#send")
     page.wait_for_function("""() => document.querySelector('#metrics .finish')?.innerText.includes('streaming')""")
     page.click("#stop")
     assert slow.closed.wait(5), "Stop did not close the engine stream"
     page.wait_for_function("""() => document.querySelector('#metrics .finish')?.innerText === 'stopped'""")
-    answer = page.locator('#chatbot [data-testid="bot"]').inner_text()
+    answer = page.locator(ANSWERS).inner_text()
     page.wait_for_timeout(500)
-    assert answer and page.locator('#chatbot [data-testid="bot"]').inner_text() == answer
+    assert answer and page.locator(ANSWERS).inner_text() == answer
     assert not slow.final_read
+    slow.delay = 0
+    page.evaluate(WATCH)
+    page.get_by_role("button", name="Continue ▸").click()
+    finished(page)
+    assert page.locator(ANSWERS).count() == 1 and page.locator(ANSWERS).inner_text().startswith(answer)
+
+
+class MarkdownEngine:
+    """The real engine with the text of its answers replaced by a Markdown answer, token for
+    token (each token's provenance kept): the tiny models do not write Markdown."""
+
+    ANSWER = "Here is **the function**:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nUse `add(1, 2)`."
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, request):
+        return MarkdownStream(self.engine.generate(request), iter(re.findall(r"\s*\S+", self.ANSWER)))
+
+
+class MarkdownStream:
+    def __init__(self, stream, words):
+        self.stream, self.words = stream, words
+
+    def waiting(self, every: float):
+        for event in self.stream.waiting(every):
+            if event is not None and event.pieces:
+                event.pieces = [(next(self.words, ""), kind) for _, kind in event.pieces]
+                event.text = "".join(text for text, _ in event.pieces)
+            yield event
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def test_answers_render_markdown_with_highlighted_code_and_provenance_on_the_rendered_text(open_app, engine):
+    page = open_app(MarkdownEngine(engine))
+    set_cap(page, 40)
+    send(page, "def add(a, b):", "best")
+    answer = page.locator(ANSWERS)
+    assert answer.locator("strong").inner_text() == "the function" and "**" not in answer.inner_text()
+    assert answer.locator("pre code").count() == 1 and "```" not in answer.inner_text()
+    assert answer.locator("pre code [class*=token]").count() > 0  # Gradio's highlighting
+    page.get_by_label("Colour tokens by provenance").check()
+    page.wait_for_selector("#chatbot .answer pre code .tok")
+    assert answer.locator("pre code .k").count() > 0  # highlighted by us, provenance drawn inside
+    assert answer.locator("strong .tok").count() > 0 and "**" not in answer.inner_text()
+    kinds = set(answer.locator(".tok").evaluate_all("spans => spans.map(s => s.className)"))
+    assert kinds and all(kind.startswith("tok tok-") for kind in kinds)
+    assert page.locator(".legend .tok-draft").is_visible()
+
+
+def test_system_prompt_footer_header_and_continue_extend_a_capped_answer_exactly(open_app, engine):
+    page = open_app(engine)
+    set_cap(page, 16)
+    page.fill("#system textarea", "Answer briefly.")
+    send(page, "def add(a, b):", "best")
+    footer = page.locator(FOOTERS).inner_text()
+    assert "best · 16 tokens" in footer and "tokens/s" in footer and "acceptance" in footer
+    header = page.inner_text("#header")
+    assert "target" in header and "draft" in header and f"/ {engine.max_context:,} tokens" in header
+    assert "context 0 " not in header
+    page.evaluate(WATCH)
+    page.get_by_role("button", name="Continue ▸").click()  # the cut answer's footer offers it
+    finished(page)
+    assert page.locator(ANSWERS).count() == 1 and "· 16 tokens" in page.locator(FOOTERS).inner_text()
+    continued = answers(page)[0]
+
+    page.click("#new-chat")
+    page.wait_for_function("() => !document.querySelector('#system textarea').value")  # kept per conversation
+    page.fill("#system textarea", "Answer briefly.")
+    set_cap(page, 32)
+    send(page, "def add(a, b):", "best")
+    assert answers(page) == [continued]  # Continue extended the answer as if it had never been cut
+    assert page.get_by_role("button", name="Continue ▸").count() == 1  # (cut again, at 32)
+
+
+def test_edit_undo_and_retry_use_the_chats_own_buttons(open_app, engine):
+    page = open_app(engine)
+    set_cap(page, 16)
+    send(page, "def add(a, b):", "best")
+    send(page, "class Stack:", "best")
+    first, second = answers(page)
+    page.evaluate(WATCH)
+    page.locator('#chatbot button[aria-label="Retry"]').click()
+    finished(page)
+    assert answers(page) == [first, second]  # greedy: the same answer again
+
+    page.locator('#chatbot button[aria-label="Undo"]').click()
+    expect(page.locator("#message textarea")).to_have_value("class Stack:")
+    expect(page.locator(ANSWERS)).to_have_count(1)
+
+    page.evaluate(WATCH)
+    page.locator('#chatbot button[aria-label="Edit"]').first.click()
+    page.fill("#chatbot textarea", "class Stack:")
+    page.locator('#chatbot button[aria-label="Submit"]').click()
+    finished(page)
+    assert page.locator('#chatbot [data-testid="user"]').all_inner_texts() == ["class Stack:"]
+    edited = answers(page)
+    assert len(edited) == 1 and edited != [first]
+    page.click("#new-chat")
+    send(page, "class Stack:", "best")
+    assert answers(page) == edited  # answered again, as that message alone
+
+
+def test_conversations_survive_a_reload_and_can_be_switched_exported_and_imported(open_app, engine, tmp_path):
+    page = open_app(engine)
+    set_cap(page, 16)
+    page.fill("#system textarea", "Be brief.")
+    send(page, "def add(a, b):", "best")
+    first = answers(page)
+    page.reload()
+    page.wait_for_selector(ANSWERS)
+    assert answers(page) == first and page.input_value("#system textarea") == "Be brief."
+    assert page.input_value("#conversations input") == "def add(a, b):"
+
+    page.click("#new-chat")
+    expect(page.locator(ANSWERS)).to_have_count(0)
+    set_cap(page, 16)
+    send(page, "class Stack:", "best")
+    page.click("#conversations input")
+    page.get_by_role("option", name="def add(a, b):").click()
+    page.wait_for_function("() => document.querySelector('#system textarea').value === 'Be brief.'")
+    assert answers(page) == first
+
+    page.click("#export")
+    links = page.locator("#sidebar a[download]")
+    expect(links).to_have_count(2)
+    with page.expect_download() as download:
+        links.first.click()
+    exported = tmp_path / download.value.suggested_filename
+    download.value.save_as(exported)
+    assert json.loads(exported.read_text())["system"] == "Be brief."
+
+    page.click("#new-chat")
+    upload(page, exported)
+    page.wait_for_function("() => document.querySelector('#system textarea').value === 'Be brief.'")
+    assert answers(page) == first
+    (tmp_path / "notes.md").write_text("# notes, not a conversation")
+    upload(page, tmp_path / "notes.md")
+    expect(page.get_by_text("not a SpecChat export")).to_be_visible()
+    assert answers(page) == first  # nothing open was touched
+
+
+def upload(page, path: Path) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.click("#import")
+    chooser.value.set_files(str(path))
+
+
+def test_on_a_phone_the_settings_start_closed_and_a_compact_metrics_line_shows(open_app, engine):
+    page = open_app(engine, viewport=PHONE)
+    page.wait_for_function("() => !document.querySelector('#sidebar').classList.contains('open')")
+    page.evaluate(WATCH)
+    page.fill("#message textarea", "def add(a, b):")
+    page.click("#send")
+    page.wait_for_function("() => /tokens\\/s/.test(document.querySelector('#metrics-line').innerText)")
+    assert page.locator("#metrics-line").is_visible()
+    finished(page)  # (no cap: until the model stops or its context is full)
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]  # nothing wider than the screen
+
+
+RACE_WATCH = """() => {
+  window.raced = [];
+  new MutationObserver(() => {
+    const right = document.querySelector('#right-text')?.innerText ?? '';
+    if (right !== window.raced.at(-1)) window.raced.push(right);
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def race(page, left: str, right: str) -> list[str]:
+    """Run Compare with ``left`` and ``right`` modes; return the right pane's texts as seen."""
+    page.get_by_role("tab", name="Compare").click()
+    for side, mode in (("left", left), ("right", right)):
+        page.click(f"#{side}-mode input")
+        page.get_by_role("option", name=mode, exact=True).last.click()  # (the list just opened)
+        page.locator(f"#{side}-mode input").blur()
+        expect(page.locator(f"#{side}-mode input")).to_have_value(mode)
+    page.evaluate(RACE_WATCH)
+    page.click("#run-compare")
+    page.wait_for_function("() => document.querySelector('#verdict')?.innerText.includes('speedup')", timeout=120_000)
+    return page.evaluate("window.raced")
+
+
+def test_compare_races_the_two_answers_side_by_side_with_any_mode_as_the_fast_side(open_app, engine, monkeypatch):
+    slowed(monkeypatch, engine.target, 0.02)  # a race long enough to be seen
+    page = open_app(engine)
+    set_cap(page, 48)
+    seen = race(page, "speculative", "best")
+    final = seen[-1]
+    replayed = [text for text in seen if text.endswith("▌")]
+    assert len(replayed) >= 3, "the answers did not race"
+    lengths = [len(text) for text in replayed]
+    assert lengths == sorted(lengths) and lengths[-1] <= len(final) + 2  # growing, from nothing to the answer
+    verdict = page.inner_text("#verdict")
+    assert "identical output" in verdict and "best" in verdict and "speculative" in verdict
+    assert "tokens/s" in page.inner_text("#left-stats") and "tokens/s" in page.inner_text("#right-stats")
+    page.click("#race-again")
+    page.wait_for_function("() => document.querySelector('#right-text').innerText.endsWith('▌')")
+
+
+@pytest.mark.real
+def test_real_pair_screenshots_and_the_footer_speedup_next_to_compares(open_app, real_pair, capsys):
+    """The README screenshots (desktop light and dark, phone, the race) on the default pair, with
+    the default settings (no cap); and the speedup the chat's footer shows for an example prompt
+    beside the one Compare measures for it (printed: speed is measured, not asserted)."""
+    from engine.core.service import Engine
+
+    engine = Engine(*real_pair)
+    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
+    page = open_app(engine)
+    raced = race(page, "autoregressive", "best")
+    compare_speedup = page.inner_text("#verdict .speedup")
+    page.click("#race-again")
+    page.wait_for_timeout(2500)  # mid-race
+    page.screenshot(path=str(ASSETS / "race.png"))
+    assert raced and "identical output" in page.inner_text("#verdict")
+
+    page.get_by_role("tab", name="Chat").click()
+    page.get_by_label("Colour tokens by provenance").check()
+    page.get_by_role("button", name=example["label"]).click()
+    send(page, example["prompt"], "best")
+    footer = page.locator(FOOTERS).inner_text()
+    assert "class" in answers(page)[0] and page.get_by_role("button", name="Continue ▸").count() == 0
+    assert "(measured)" in footer  # Compare measured plain decoding at this length
+    with capsys.disabled():
+        print(f"\nfooter: {footer.splitlines()[0]}\ncompare: {compare_speedup}")
+    page.wait_for_timeout(500)  # the plot's last redraw
+    page.screenshot(path=str(ASSETS / "screenshot.png"))
+
+    dark = open_app(engine, query="?__theme=dark")
+    dark.wait_for_selector(ANSWERS)  # the conversation, kept by the browser
+    dark.get_by_label("Colour tokens by provenance").check()
+    dark.wait_for_timeout(500)
+    dark.screenshot(path=str(ASSETS / "screenshot-dark.png"))
+    phone = open_app(engine, viewport=PHONE)
+    phone.wait_for_selector(ANSWERS)
+    phone.wait_for_timeout(500)
+    phone.screenshot(path=str(ASSETS / "screenshot-phone.png"))
