@@ -55,12 +55,14 @@ SECRET_ENV = "SPECCHAT_BROWSER_SECRET"
 API_KEY_ENV = "SPECCHAT_API_KEY"
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # the engine orders the requests itself
 PAPER_LENGTHS = (40, 100)
-PLOT_EVERY_S = 0.25  # redraw the live plot at most this often
+# A streaming answer is redrawn at most this often (rounds in between are drawn together), its
+# live plot less often still: a browser re-renders the whole answer at every redraw, and on the
+# same CPU that is time taken from decoding (a 256-token answer in Chromium on this 2-core
+# machine: 11.8 tokens/s when every round was drawn, 15.3 so; docs/benchmarks.md, "The chat in a browser").
+REDRAW_S = 0.3
+PLOT_EVERY_S = 1.0
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
 HEARTBEAT_S = 0.5
-# While the engine serves several requests, each chat redraws at most this often (rounds in
-# between are drawn together): rendering every round of every user takes CPU from the engine.
-SHARED_REDRAW_S = 0.25
 LEGEND = {
     "draft": "accepted draft token",
     "target": "target correction",
@@ -170,21 +172,22 @@ def footer_details(m: dict) -> str:
         ("target passes", f"{m['target_passes']}"),
         ("draft / target time", f"{m['draft_s']:.2f} / {m['target_s']:.2f} s"),
         ("KV cache", _bytes(m["target_kv_bytes"] + m["draft_kv_bytes"])),
-        ("finish", m["finish_reason"] or "streaming…"),
+        ("finish", m["finish_reason"]),
     ]
     return "\n".join(["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows)])
 
 
 def footer_message(turn: dict) -> dict | None:
-    """The answer's footer: Gradio's collapsible "thought" line under it, holding the figures;
-    an answer cut short offers Continue as the footer's option."""
+    """The finished answer's footer: Gradio's collapsible "thought" line under it, holding the
+    figures; an answer cut short offers Continue as the footer's option. (None while streaming:
+    a footer redrawn at every round costs the browser, and so the engine, more than the rest.)"""
     m = turn.get("metrics")
-    if turn.get("failed") or not m:
+    if turn.get("failed") or not m or not m["finish_reason"]:  # (while streaming: the metrics panel)
         return None
     footer = {
         "role": "assistant",
         "content": footer_details(m),
-        "metadata": {"title": footer_line(m), "status": "done" if m["finish_reason"] else "pending"},
+        "metadata": {"title": footer_line(m), "status": "done"},
     }
     if cut(turn):
         footer["options"] = [{"value": CONTINUE, "label": "Continue ▸"}]
@@ -404,7 +407,7 @@ def stream_answer(engine, turns, colour, settings, system, box, continuing=False
                 answer["token_ids"] += [] if event.final else event.token_ids
                 answer["metrics"] = event.metrics
             throughput.add(event.metrics)
-            if not event.final and time.monotonic() - drawn_at < (SHARED_REDRAW_S if engine.serving > 1 else 0):
+            if not event.final and time.monotonic() - drawn_at < REDRAW_S:
                 continue
             drawn_at = time.monotonic()
             status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
@@ -579,7 +582,7 @@ def run_stats(m: dict) -> str:
 def verdict_html(runs: dict, temperature: float) -> str:
     """Speedup of the right run over the left (left wall / right wall) and whether both
     produced the same tokens."""
-    if len(runs) < 2 or not all(r["final"] for r in runs.values()):
+    if not all(r["final"] for r in runs.values()):
         return ""
     left, right = runs["left"], runs["right"]
     times = speedup(left["metrics"]["wall_s"], right["metrics"]["wall_s"]) or 0.0
@@ -598,15 +601,11 @@ def verdict_html(runs: dict, temperature: float) -> str:
     )
 
 
-def speed_frame(runs: dict) -> pd.DataFrame | None:
+def speed_frame(runs: dict) -> pd.DataFrame:
     """Tokens/s of both runs (0 for one still to run): the bar chart draws only the bars it first saw."""
-    if not runs:
-        return None
     rows = [
-        (f"{side}: {runs[side]['mode']}" if side in runs else side, runs[side]["metrics"]["tokens_per_s"])
-        if side in runs and runs[side]["final"]
-        else (f"{side}: …", 0.0)
-        for side in SIDES
+        (f"{side}: {run['mode']}", run["metrics"]["tokens_per_s"] if run["final"] else 0.0)
+        for side, run in runs.items()
     ]
     return pd.DataFrame(rows, columns=["run", "tokens_per_s"]).astype({"run": str, "tokens_per_s": float})
 
@@ -620,7 +619,10 @@ def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, 
         side: make_request(messages, mode, *settings, context=engine.max_context, reuse_cache=False)
         for side, mode in zip(SIDES, (left, right))
     }
-    runs: dict[str, dict] = {}
+    runs = {
+        side: {"mode": request.mode, "text": "", "metrics": {}, "token_ids": [], "timeline": [], "final": False}
+        for side, request in requests.items()
+    }
     try:  # both sides checked before either runs
         for request in requests.values():
             engine.check(request)
@@ -629,14 +631,7 @@ def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, 
         yield "", f"⚠️ **Could not answer:** {exc}", "", "", "", None, gr.skip()
         return
     for side, request in requests.items():
-        run = runs[side] = {
-            "mode": request.mode,
-            "text": "",
-            "metrics": {},
-            "token_ids": [],
-            "timeline": [],
-            "final": False,
-        }
+        run, drawn_at = runs[side], 0.0
         events = engine.generate(request)
         try:
             for event in events.waiting(HEARTBEAT_S):
@@ -652,7 +647,9 @@ def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, 
                 run["metrics"] = event.metrics
                 run["timeline"].append((event.metrics["wall_s"], len(run["text"]), event.metrics["new_tokens"]))
                 run["token_ids"], run["final"] = event.token_ids, event.final
-                yield *compare_frame(runs, temperature), gr.skip()
+                if event.final or time.monotonic() - drawn_at >= REDRAW_S:
+                    drawn_at = time.monotonic()
+                    yield *compare_frame(runs, temperature), gr.skip()
         finally:
             events.close()
     yield from ((*frame, runs) for frame in race(runs, temperature))
@@ -660,15 +657,15 @@ def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, 
 
 def compare_frame(runs: dict, temperature: float) -> tuple:
     """The compare outputs as the runs stand (the one running shows what it has so far)."""
-    texts = [runs[s]["text"] if s in runs else "" for s in SIDES]
-    stats = [run_stats(runs[s]["metrics"]) if s in runs and runs[s]["final"] else "" for s in SIDES]
+    texts = [runs[s]["text"] for s in SIDES]
+    stats = [run_stats(runs[s]["metrics"]) if runs[s]["final"] else "" for s in SIDES]
     return *texts, *stats, verdict_html(runs, temperature), speed_frame(runs)
 
 
 def race(runs: dict, temperature: float):
     """Both answers again from nothing, each at the pace it was measured at, with live counters;
     the verdict once both have finished."""
-    if len(runs) < 2 or not all(r["final"] for r in runs.values()):
+    if not runs or not all(r["final"] for r in runs.values()):  # (nothing raced yet)
         return
     start = time.monotonic()
     end = max(run["metrics"]["wall_s"] for run in runs.values())
@@ -879,7 +876,9 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
                 "then both answers race side by side at the pace each was measured at. Other settings "
                 "from the sidebar."
             )
-            prompt = gr.Textbox(label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "")
+            prompt = gr.Textbox(
+                label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "", elem_id="compare-prompt"
+            )
             with gr.Row():
                 left_mode = gr.Dropdown(list(engine.modes), value="autoregressive", label="Left", elem_id="left-mode")
                 right_mode = gr.Dropdown(list(engine.modes), value=engine.modes[0], label="Right", elem_id="right-mode")

@@ -35,6 +35,12 @@ GREEDY = {
 }
 
 
+@pytest.fixture(autouse=True)
+def every_round_drawn(monkeypatch):
+    """The tiny models answer within one redraw period: here every round is drawn."""
+    monkeypatch.setattr(app, "REDRAW_S", 0.0)
+
+
 def serve(engine, **kwargs):
     demo = app.build_app(engine)
     url = app.launch(demo, port=free_port(), block=False, **kwargs)
@@ -70,6 +76,13 @@ def test_answer_streams_in_several_updates(client):
     growing = [a for a in dict.fromkeys(answers) if a]
     assert len(growing) >= 3
     assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(growing))
+
+
+def test_a_streaming_answer_is_redrawn_at_most_every_redraw_period(client, monkeypatch):
+    monkeypatch.setattr(app, "REDRAW_S", 60.0)
+    outputs = ask(client, "def add(a, b):").outputs()
+    assert len({last_answer(o) for o in outputs if o[1]}) <= 2  # (the first round, then the end)
+    assert outputs[-1][3]["finish_reason"] == "length"
 
 
 def test_metrics_are_shown_and_change_while_streaming(client):

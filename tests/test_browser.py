@@ -53,6 +53,12 @@ WATCH = """() => {
 }"""
 
 
+@pytest.fixture(autouse=True)
+def every_round_drawn(monkeypatch):
+    """The tiny models answer within one redraw period: here every round is drawn."""
+    monkeypatch.setattr(app, "REDRAW_S", 0.0)
+
+
 @pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
@@ -93,8 +99,11 @@ def send(page, message: str, mode: str) -> None:
 
 def finished(page) -> None:
     """Wait until the answer streaming (as :data:`WATCH` saw) has finished without an error."""
-    page.wait_for_function("""() => window.seen.metrics.some(m => m.includes('streaming') || m.includes('error'))
-        && /length|stop|context|error/.test(document.querySelector('#metrics .finish')?.innerText)""")
+    page.wait_for_function(
+        """() => window.seen.metrics.some(m => m.includes('streaming') || m.includes('error'))
+        && /length|stop|context|error/.test(document.querySelector('#metrics .finish')?.innerText)""",
+        timeout=300_000,  # a whole answer of the real pair, without a cap
+    )
     assert page.inner_text("#metrics .finish") != "error", page.inner_text("#chatbot")
 
 
@@ -334,7 +343,11 @@ def race(page, left: str, right: str) -> list[str]:
         expect(page.locator(f"#{side}-mode input")).to_have_value(mode)
     page.evaluate(RACE_WATCH)
     page.click("#run-compare")
-    page.wait_for_function("() => document.querySelector('#verdict')?.innerText.includes('speedup')", timeout=120_000)
+    page.wait_for_function(  # both runs, then their race, finished
+        """() => window.raced.some(t => t.endsWith('▌'))
+            && document.querySelector('#verdict')?.innerText.includes('speedup')""",
+        timeout=300_000,
+    )
     return page.evaluate("window.raced")
 
 
@@ -362,34 +375,38 @@ def test_real_pair_screenshots_and_the_footer_speedup_next_to_compares(open_app,
     beside the one Compare measures for it (printed: speed is measured, not asserted)."""
     from engine.core.service import Engine
 
-    engine = Engine(*real_pair)
     example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
-    page = open_app(engine)
-    raced = race(page, "autoregressive", "best")
+    page = open_app(Engine(*real_pair))
+    page.get_by_role("tab", name="Compare").click()
+    page.fill("#compare-prompt textarea", example["prompt"])
+    race(page, "autoregressive", "best")
     compare_speedup = page.inner_text("#verdict .speedup")
+    assert "identical output" in page.inner_text("#verdict")
     page.click("#race-again")
-    page.wait_for_timeout(2500)  # mid-race
+    page.wait_for_timeout(4000)  # mid-race
     page.screenshot(path=str(ASSETS / "race.png"))
-    assert raced and "identical output" in page.inner_text("#verdict")
 
     page.get_by_role("tab", name="Chat").click()
-    page.get_by_label("Colour tokens by provenance").check()
     page.get_by_role("button", name=example["label"]).click()
     send(page, example["prompt"], "best")
-    footer = page.locator(FOOTERS).inner_text()
+    footer = page.locator(FOOTERS).inner_text().splitlines()[0]
     assert "class" in answers(page)[0] and page.get_by_role("button", name="Continue ▸").count() == 0
     assert "(measured)" in footer  # Compare measured plain decoding at this length
     with capsys.disabled():
-        print(f"\nfooter: {footer.splitlines()[0]}\ncompare: {compare_speedup}")
-    page.wait_for_timeout(500)  # the plot's last redraw
+        print(f"\nfooter: {footer}\ncompare: {compare_speedup}")
+    page.get_by_label("Colour tokens by provenance").check()
+    page.wait_for_timeout(1000)  # the plot's last redraw
     page.screenshot(path=str(ASSETS / "screenshot.png"))
 
-    dark = open_app(engine, query="?__theme=dark")
-    dark.wait_for_selector(ANSWERS)  # the conversation, kept by the browser
-    dark.get_by_label("Colour tokens by provenance").check()
-    dark.wait_for_timeout(500)
-    dark.screenshot(path=str(ASSETS / "screenshot-dark.png"))
-    phone = open_app(engine, viewport=PHONE)
-    phone.wait_for_selector(ANSWERS)
-    phone.wait_for_timeout(500)
-    phone.screenshot(path=str(ASSETS / "screenshot-phone.png"))
+    url = page.url.split("?")[0]
+    page.goto(url + "?__theme=dark")
+    page.wait_for_selector(ANSWERS)  # the conversation, kept by the browser
+    page.get_by_label("Colour tokens by provenance").check()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(ASSETS / "screenshot-dark.png"))
+    page.set_viewport_size(PHONE)
+    page.goto(url)
+    page.wait_for_selector(ANSWERS)
+    page.wait_for_function("() => !document.querySelector('#sidebar').classList.contains('open')")
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(ASSETS / "screenshot-phone.png"))
