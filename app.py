@@ -184,7 +184,7 @@ def footer_message(turn: dict) -> dict | None:
     m = turn.get("metrics")
     if turn.get("failed") or not m or not m["finish_reason"]:  # (while streaming: the metrics panel)
         return None
-    footer = {
+    footer: dict[str, Any] = {
         "role": "assistant",
         "content": footer_details(m),
         "metadata": {"title": footer_line(m), "status": "done"},
@@ -223,12 +223,17 @@ def legend_html() -> str:
     return f'<div class="legend">{items}</div>'
 
 
+def last_metrics(turns: list[dict]) -> dict:
+    """The figures of the conversation's last answer (empty before the first)."""
+    return next((t["metrics"] for t in reversed(turns) if t.get("metrics")), {})
+
+
 def header_html(engine, turns: list[dict]) -> str:
     """The models in use and how much of the context the conversation fills."""
     models = engine.models
     if not models:
         return '<div class="chat-header">models loading…</div>'
-    last = next((t["metrics"] for t in reversed(turns) if t.get("metrics")), None)
+    last = last_metrics(turns)
     used = last["prompt_tokens"] + last["new_tokens"] if last else 0
     names = " · ".join(
         f'<span class="model"><b>{role}</b> {html.escape(label)}</span>' for role, label in models.items()
@@ -510,7 +515,7 @@ def show(engine, store: dict, conv_id: str, colour: bool) -> tuple:
         metrics_html({}),
         {},
         None,
-        "",
+        footer_line(last_metrics(turns)),
     )
 
 
@@ -619,7 +624,7 @@ def compare(engine, prompt, left, right, k, temperature, top_p, max_new_tokens, 
         side: make_request(messages, mode, *settings, context=engine.max_context, reuse_cache=False)
         for side, mode in zip(SIDES, (left, right))
     }
-    runs = {
+    runs: dict[str, dict[str, Any]] = {
         side: {"mode": request.mode, "text": "", "metrics": {}, "token_ids": [], "timeline": [], "final": False}
         for side, request in requests.items()
     }
@@ -838,6 +843,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
             header = gr.HTML(header_html(engine, []), elem_id="header")
             chatbot = gr.Chatbot(
                 label="Chat",
+                show_label=False,
                 height=520,
                 elem_id="chatbot",
                 latex_delimiters=[],
@@ -846,9 +852,10 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
                 placeholder="Ask for some code. Tokens stream as the target accepts them.",
             )
             metrics_line = gr.HTML(elem_id="metrics-line")
-            with gr.Row():
+            with gr.Row():  # (on a phone the legend wraps below the checkbox)
                 colour = gr.Checkbox(False, label="Colour tokens by provenance", scale=0, min_width=260)
-                gr.HTML(legend_html())
+                with gr.Column(scale=1, min_width=300):
+                    gr.HTML(legend_html())
             with gr.Row(equal_height=True):
                 message = gr.Textbox(
                     placeholder="Type a message and press Enter",
@@ -912,12 +919,12 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
         chat_in = [turns, colour, *settings, system]
         chat_out = [message, chatbot, turns, metrics_panel, metrics_json, tps_plot, metrics_line]
         opened = [store, conv_id, turns, chatbot, system, conversations, header, *chat_out[3:]]
-        saved = {
+        saved: dict[str, Any] = {
             "fn": partial(save, engine),
             "inputs": [store, conv_id, turns, system],
             "outputs": [store, conversations, header],
         }
-        answering = {"show_progress_on": chatbot, **ENGINE_QUEUE}
+        answering: dict[str, Any] = {"show_progress_on": chatbot, **ENGINE_QUEUE}
         chat_events = [
             gr.on(
                 [message.submit, send.click],
@@ -958,7 +965,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
             return {"healthy": engine.healthy, "pending": engine.pending}
 
         gr.api(engine_health, api_name="health", queue=False)
-        private = {"queue": False, "api_visibility": "private"}
+        private: dict[str, Any] = {"queue": False, "api_visibility": "private"}
         status_timer.tick(partial(refresh_status, engine), turns, [status, status_timer, header], **private)
         demo.load(partial(restore, engine), [store, colour], opened, **private)
         demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)

@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from engine import manifest
 from engine.core import graph
 from engine.errors import ContextLimitError, PrepareError
 
-# What `engine.prepare` writes beside each model it converts: its source, precision, versions.
-MANIFEST = "manifest.json"
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
 # on this CPU that cuts a decode step by a quarter against the plugin's default of 32
@@ -65,9 +64,8 @@ def release_states(request: ov.InferRequest, empty: np.ndarray) -> None:
 
 def model_label(ir_dir: Path, hf_config: dict) -> str:
     """The model's name and weight precision, for people: from its manifest, else its config."""
-    manifest = ir_dir / MANIFEST
-    if manifest.exists():
-        recorded = json.loads(manifest.read_text())
+    recorded = manifest.read(ir_dir)
+    if recorded is not None:
         return f"{recorded.get('source', ir_dir.name)} · {recorded.get('precision', '?')}"
     return str(hf_config.get("_name_or_path") or ir_dir.name)
 

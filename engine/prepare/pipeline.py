@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from engine.core.runtime import MANIFEST
 from engine.errors import PrepareError, TokenizerMismatchError
+from engine.manifest import MANIFEST, read
 from engine.prepare import disk, embedded, sources, vocab
 from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
 from engine.prepare.sources import Kind, Source
@@ -95,10 +95,9 @@ def entry_dir(cache_dir: Path, source: Source, compression: Compression) -> Path
 
 
 def cached(entry: Path) -> PreparedModel | None:
-    manifest = entry / MANIFEST
-    if not manifest.exists():
+    data = read(entry)
+    if data is None:
         return None
-    data = json.loads(manifest.read_text())
     return PreparedModel(entry, data["precision"], data["source"], data["sha256"])
 
 
@@ -236,8 +235,7 @@ def check_pair(target: str, draft: str, vocabularies: tuple[vocab.Vocabulary, vo
 
 def ir_vocabulary(model: PreparedModel) -> vocab.Vocabulary:
     """The prepared model's vocabulary: recorded in its manifest, else read from its tokenizer."""
-    manifest = model.path / MANIFEST
-    recorded = json.loads(manifest.read_text()).get("vocabulary") if manifest.exists() else None
+    recorded = (read(model.path) or {}).get("vocabulary")
     return (
         vocab.Vocabulary(**recorded) if recorded else vocab.Vocabulary.of(Source(model.source, Kind.OV_IR, model.path))
     )
