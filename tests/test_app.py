@@ -511,3 +511,30 @@ def test_flags_fall_back_to_the_environment(monkeypatch):
     args = app.parse_args([])
     assert (args.host, args.port, args.target) == ("0.0.0.0", 7861, "/models/target.gguf")
     assert app.parse_args(["--host", "127.0.0.1"]).host == "127.0.0.1"
+
+
+@pytest.mark.real
+def test_real_pair_footer_speedup_next_to_compares_through_the_api(real_pair, capsys):
+    """The speedup a chat answer's footer shows beside the one Compare measures for the same
+    prompt, three times, through the app's API (no browser on this CPU): printed, not asserted
+    (speed is measured). docs/benchmarks.md, "The chat in a browser"."""
+    from engine.core.service import Engine
+
+    prompt = next(e for e in app.load_examples() if e["label"] == "LRU cache class")["prompt"]
+    demo, url = serve(Engine(*real_pair))
+    try:
+        for run in range(3):
+            compared = Client(url, verbose=False).predict(
+                prompt, "autoregressive", "best", 4, 0.0, 1.0, 0, -1, "", api_name="/compare"
+            )
+            m = Client(url, verbose=False).predict(prompt, False, "best", 4, 0.0, 1.0, 0, -1, "", api_name="/respond")[
+                3
+            ]
+            assert "identical output" in compared[4] and m["speedup_vs_ar"] is not None
+            with capsys.disabled():
+                speedup = compared[4].split("× speedup")[0].rsplit(">", 1)[1]
+                print(
+                    f"\nrun {run + 1}: Compare {speedup}×, footer {m['speedup_vs_ar']:.2f}× ({m['new_tokens']} tokens)"
+                )
+    finally:
+        demo.close()
