@@ -25,12 +25,13 @@ import math
 import os
 import re
 import secrets
+import shutil
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -73,10 +74,32 @@ CUT = ("length", "cancelled")  # finish reasons of an answer Continue can extend
 CONTINUE = "continue"  # the option a cut answer's footer offers
 MAX_CAP = 8192  # the largest cap on new tokens the form offers (0: none but the context)
 SIDES = ("left", "right")  # the compare tab's two runs
-RACE_FRAME_S = 0.05  # the race's redraw period
+RACE_FRAME_S = 0.1  # the race's redraw period
 STORE_KEY = "specchat-conversations"  # where each browser keeps its conversations
 MAX_CONVERSATIONS = 30  # kept per browser, the oldest dropped first
 TITLE_LENGTH = 48
+EXPORTS = Path(tempfile.gettempdir()) / "specchat-exports"  # exported files, kept an hour
+EXPORTS_KEPT_S = 3600
+# What a stored answer's figures must hold for its footer to be drawn.
+METRIC_KEYS = frozenset(
+    {
+        "mode",
+        "new_tokens",
+        "tokens_per_s",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "finish_reason",
+        "expected_speedup",
+        "ttft_s",
+        "prompt_tokens",
+        "cached_tokens",
+        "target_passes",
+        "draft_s",
+        "target_s",
+        "target_kv_bytes",
+        "draft_kv_bytes",
+    }
+)
 # Phones: the settings start closed (they would cover the chat), the compact metrics line shows.
 CLOSE_SIDEBAR_ON_PHONES = """() => {
   if (window.innerWidth < 768) document.querySelector('#sidebar .toggle-button, .sidebar .toggle-button')?.click();
@@ -143,8 +166,14 @@ def render_answer(turn: dict, colour: bool) -> str:
     if turn.get("failed"):
         return f"⚠️ **Could not answer:** {turn['content']}"
     if colour and turn.get("pieces"):
-        return markdown.render(turn["content"], markdown.provenance_of(turn["pieces"]))
+        return coloured(turn["content"], tuple(markdown.provenance_of(turn["pieces"])))
     return turn["content"]
+
+
+@lru_cache(maxsize=128)
+def coloured(content: str, provenance: tuple[str, ...]) -> str:
+    """An answer rendered with its provenance, once: a chat redraws every earlier answer too."""
+    return markdown.render(content, provenance)
 
 
 def footer_line(m: dict) -> str:
@@ -177,7 +206,7 @@ def footer_details(m: dict) -> str:
     return "\n".join(["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows)])
 
 
-def footer_message(turn: dict) -> dict | None:
+def footer_message(turn: dict, last: bool) -> dict | None:
     """The finished answer's footer: Gradio's collapsible "thought" line under it, holding the
     figures; an answer cut short offers Continue as the footer's option. (None while streaming:
     a footer redrawn at every round costs the browser, and so the engine, more than the rest.)"""
@@ -189,7 +218,7 @@ def footer_message(turn: dict) -> dict | None:
         "content": footer_details(m),
         "metadata": {"title": footer_line(m), "status": "done"},
     }
-    if cut(turn):
+    if last and cut(turn):  # (Continue extends the last answer only)
         footer["options"] = [{"value": CONTINUE, "label": "Continue ▸"}]
     return footer
 
@@ -204,7 +233,7 @@ def drawn(turns: list[dict], colour: bool) -> list[tuple[int, dict]]:
                 messages.append((i, {"role": "user", "content": t["content"]}))
             continue
         messages.append((i, {"role": "assistant", "content": render_answer(t, colour)}))
-        if footer := footer_message(t):
+        if footer := footer_message(t, last=i == len(turns) - 1):
             messages.append((i, footer))
     return messages
 
@@ -416,10 +445,12 @@ def stream_answer(engine, turns, colour, settings, system, box, continuing=False
                 continue
             drawn_at = time.monotonic()
             status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
+            # A copy: Gradio keeps what is yielded by reference, and this answer grows on.
+            shown = [*turns[:-1], {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}]
             yield (
                 box,
-                render_chat(turns, colour),
-                turns,
+                render_chat(shown, colour),
+                shown,
                 metrics_html(event.metrics, status),
                 event.metrics,
                 throughput.plot(event.final),
@@ -431,8 +462,8 @@ def stream_answer(engine, turns, colour, settings, system, box, continuing=False
 
 def stopped(turns, colour, metrics):
     """The chat and metrics once Stop has cancelled a stream (unchanged if none was streaming: a
-    finished stream's metrics carry its finish reason): the answer so far can be continued."""
-    if not metrics or metrics["finish_reason"] or not turns or "metrics" not in turns[-1]:
+    finished answer's metrics carry its finish reason): the answer so far can be continued."""
+    if not turns or turns[-1]["role"] != "assistant" or last_metrics(turns[-1:]).get("finish_reason", "x"):
         return gr.skip(), gr.skip(), gr.skip()
     turns = [*turns[:-1], {**turns[-1], "metrics": {**turns[-1]["metrics"], "finish_reason": "cancelled"}}]
     return render_chat(turns, colour), turns, metrics_html(metrics, "stopped")
@@ -474,14 +505,65 @@ def title_of(turns: list[dict]) -> str:
     return (line[:TITLE_LENGTH] + "…" if len(line) > TITLE_LENGTH else line) or "New chat"
 
 
-def remember(store: dict, conv_id: str, turns: list[dict], system: str) -> dict:
+def remember(store: dict, conv_id: str, turns: list[dict], system: str, title: str = "") -> dict:
     """``store`` with the conversation ``conv_id`` as it is now (the newest first; the oldest
-    beyond :data:`MAX_CONVERSATIONS` dropped). An empty new conversation is not kept."""
+    beyond :data:`MAX_CONVERSATIONS` dropped; its title kept once given). An empty new
+    conversation is not kept."""
     kept = dict((store or {}).get("conversations", {}))
     if turns or conv_id in kept:
-        kept[conv_id] = {"title": title_of(turns), "system": system, "turns": turns, "updated": time.time()}
+        title = title or kept.get(conv_id, {}).get("title") or title_of(turns)
+        stored = [compact(t, last=i == len(turns) - 1) for i, t in enumerate(turns)]
+        kept[conv_id] = {"title": title[:TITLE_LENGTH], "system": system, "turns": stored, "updated": time.time()}
     newest = sorted(kept, key=lambda c: kept[c]["updated"], reverse=True)[:MAX_CONVERSATIONS]
     return {"current": conv_id, "conversations": {c: kept[c] for c in newest}}
+
+
+def compact(turn: dict, last: bool) -> dict:
+    """A turn as the browser keeps it (its storage holds a few MB): provenance as runs, not per
+    token; token ids only where Continue may need them (a cut last answer)."""
+    kept = {k: v for k, v in turn.items() if k not in ("pieces", "token_ids")}
+    if turn.get("pieces"):
+        runs: list[list[str]] = []
+        for text, kind in turn["pieces"]:
+            if runs and runs[-1][1] == kind:
+                runs[-1][0] += text
+            else:
+                runs.append([text, kind])
+        kept["pieces"] = runs
+    if last and cut(turn):
+        kept["token_ids"] = turn["token_ids"]
+    return kept
+
+
+def sanitized(store) -> dict:
+    """A store as the browser sent it, with what this version cannot show left out (an older or
+    tampered value must not stop the page from opening)."""
+    if not isinstance(store, dict) or not isinstance(store.get("conversations"), dict):
+        return {}
+    kept = {
+        c: v
+        for c, v in store["conversations"].items()
+        if isinstance(v, dict)
+        and isinstance(v.get("title"), str)
+        and isinstance(v.get("system"), str)
+        and isinstance(v.get("updated"), int | float)
+        and isinstance(v.get("turns"), list)
+        and all(_well_formed(t) for t in v["turns"])
+    }
+    return {"current": store.get("current"), "conversations": kept}
+
+
+def _well_formed(turn) -> bool:
+    return (
+        isinstance(turn, dict)
+        and turn.get("role") in ("user", "assistant")
+        and isinstance(turn.get("content"), str)
+        and (not turn.get("metrics") or set(turn["metrics"]) >= METRIC_KEYS)
+        and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in turn.get("pieces", [])
+        )
+        and all(isinstance(t, int) for t in turn.get("token_ids", []))
+    )
 
 
 def conversation_list(store: dict, conv_id: str) -> dict:
@@ -521,7 +603,7 @@ def show(engine, store: dict, conv_id: str, colour: bool) -> tuple:
 
 def restore(engine, store, colour):
     """The page opened: the conversation it had open last, else a new one."""
-    store = store or {}
+    store = sanitized(store)
     return show(engine, store, store.get("current") or new_id(), colour)
 
 
@@ -547,8 +629,12 @@ def export_chat(turns, system):
         gr.Warning("Nothing to export yet: send a message first.")
         return gr.skip()
     title = title_of(turns)
-    messages = [{k: t[k] for k in ("role", "content", "metrics") if k in t} for t in turns if not t.get("failed")]
-    folder = Path(tempfile.mkdtemp(prefix="specchat-export-"))
+    messages = [t for t in turns if not t.get("failed")]
+    EXPORTS.mkdir(exist_ok=True)
+    for old in EXPORTS.iterdir():  # (Gradio serves its own copies; these are only its sources)
+        if time.time() - old.stat().st_mtime > EXPORTS_KEPT_S:
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(dir=EXPORTS))
     stem = re.sub(r"[^\w-]+", "-", title).strip("-")[:40] or "conversation"
     (folder / f"{stem}.json").write_text(transcript.to_json(title, system, messages))
     (folder / f"{stem}.md").write_text(transcript.to_markdown(title, system, messages))
@@ -566,9 +652,8 @@ def import_chat(engine, store, path, colour):
         gr.Warning(f"Could not import: {reason}")
         return (gr.skip(),) * 11
     conv_id = new_id()  # (figures recorded in the file are not shown: they describe another run)
-    store = remember(store, conv_id, [{"role": m["role"], "content": m["content"]} for m in messages], system)
-    store["conversations"][conv_id]["title"] = title
-    return show(engine, store, conv_id, colour)
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return show(engine, remember(store, conv_id, turns, system, title), conv_id, colour)
 
 
 # -- compare handlers -------------------------------------------------------------------------
@@ -782,9 +867,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
         with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
             gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
             with gr.Accordion("Conversations", open=True):
-                conversations = gr.Dropdown(
-                    [], label="Open conversation", elem_id="conversations", allow_custom_value=True
-                )
+                conversations = gr.Dropdown([], label="Open conversation", elem_id="conversations", filterable=False)
                 with gr.Row():
                     new = gr.Button("New chat", size="sm", elem_id="new-chat")
                     delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chat")
@@ -969,13 +1052,23 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
         status_timer.tick(partial(refresh_status, engine), turns, [status, status_timer, header], **private)
         demo.load(partial(restore, engine), [store, colour], opened, **private)
         demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
-        new.click(partial(new_chat, engine), [store, colour], opened, cancels=chat_events, **private)
+        # Leaving a conversation: its answer stopped, the conversation kept as it stands, then the next opened.
+        leaving: dict[str, Any] = {
+            "fn": remember,
+            "inputs": [store, conv_id, turns, system],
+            "outputs": store,
+            "cancels": chat_events,
+            **private,
+        }
+        new.click(**leaving).then(partial(new_chat, engine), [store, colour], opened, **private)
         delete.click(partial(delete_chat, engine), [store, conv_id, colour], opened, cancels=chat_events, **private)
-        conversations.input(
-            partial(switch_chat, engine), [store, conversations, colour], opened, cancels=chat_events, **private
+        conversations.input(**leaving).then(
+            partial(switch_chat, engine), [store, conversations, colour], opened, **private
         )
-        # (queued: a warning reaches the page only through the queue)
-        upload.upload(partial(import_chat, engine), [store, upload, colour], opened, api_visibility="private")
+        # (the import queued: a warning reaches the page only through the queue)
+        upload.upload(**leaving).then(
+            partial(import_chat, engine), [store, upload, colour], opened, api_visibility="private"
+        )
         export.click(export_chat, [turns, system], exported, api_visibility="private")
         colour.change(render_chat, [turns, colour], chatbot, **private)
         mode.change(draft_length_for, mode, k, **private)
@@ -1021,7 +1114,7 @@ def launch(
             prevent_thread_lock=True,
             quiet=True,
             show_error=False,  # users see the handlers' own messages; tracebacks go to the log
-            max_file_size="1mb",  # nothing here takes uploads
+            max_file_size="1mb",  # (the only uploads: conversations to import)
             theme=THEME,
             css_paths=[ASSETS / "style.css"],
             css=markdown.highlight_css(),
@@ -1104,9 +1197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def browser_secret(folder: Path) -> str | None:
-    """The key the conversations kept in browsers are encrypted with, kept in the cache folder so
-    that they open again after a restart (``$SPECCHAT_BROWSER_SECRET`` overrides it; None, a
-    key for this run only, where the folder cannot be written)."""
+    """The key the conversations kept in browsers are sealed with (against tampering, not prying:
+    the page holds it), kept in the cache folder so that they open again after a restart
+    (``$SPECCHAT_BROWSER_SECRET`` overrides it; None, a key for this run only, where the folder
+    cannot be written)."""
     if os.environ.get(SECRET_ENV):
         return os.environ[SECRET_ENV]
     path = folder / "browser-secret"

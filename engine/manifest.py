@@ -12,6 +12,10 @@ MANIFEST = "manifest.json"
 
 def read(folder: Path) -> dict | None:
     """The manifest of the model in ``folder``, or None where there is none (a model not
-    prepared here: an IR folder a user brought)."""
+    prepared here: an IR folder a user brought) or it cannot be read."""
     path = folder / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        data = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):  # unreadable: as if there were none
+        return None
+    return data if isinstance(data, dict) else None

@@ -240,6 +240,31 @@ def test_conversations_are_kept_newest_first_and_the_oldest_dropped(monkeypatch)
     assert listed["value"] == "c5" and listed["choices"][0] == (f"question {app.MAX_CONVERSATIONS + 1}", f"c{n}")
 
 
+def test_the_browser_keeps_provenance_as_runs_and_token_ids_only_for_a_cut_last_answer():
+    answer = {
+        "role": "assistant",
+        "content": "abc",
+        "pieces": [["a", "draft"], ["b", "draft"], ["c", "target"]],
+        "token_ids": [1, 2, 3],
+        "metrics": {"finish_reason": "length"},
+    }
+    assert app.compact(answer, last=True) == {**answer, "pieces": [["ab", "draft"], ["c", "target"]]}
+    assert "token_ids" not in app.compact(answer, last=False)
+    figures = dict.fromkeys(app.METRIC_KEYS, 0) | {"mode": "best", "finish_reason": "length", "ttft_s": 0.1}
+    answer["metrics"] = figures
+    assert app.footer_message(answer, last=True)["options"][0]["value"] == app.CONTINUE
+    assert "options" not in app.footer_message(answer, last=False)  # Continue: under the last answer only
+
+
+def test_a_stored_value_of_another_shape_opens_as_a_new_conversation(engine):
+    for stored in (None, "junk", {"conversations": []}, {"conversations": {"a": {"title": 1}}}):
+        store, _, turns, *_ = app.restore(engine, stored, False)
+        assert turns == [] and store.get("conversations", {}) == {}
+    tampered = {"role": "assistant", "content": "x", "metrics": {"mode": "best"}}  # figures missing
+    store = {"current": "a", "conversations": {"a": {"title": "t", "system": "", "updated": 1.0, "turns": [tampered]}}}
+    assert app.restore(engine, store, False)[2] == []
+
+
 def test_an_exported_conversation_imports_as_a_new_one_and_a_bad_file_changes_nothing(engine, tmp_path):
     turns = [
         {"role": "user", "content": "def add(a, b):"},

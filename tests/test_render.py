@@ -85,3 +85,18 @@ def test_openai_style_messages_import_with_their_system_prompt():
 def test_a_file_that_is_not_a_conversation_is_refused_with_what_is_wrong(name, text, says):
     with pytest.raises(ValueError, match=says):
         transcript.parse(name, text)
+
+
+def test_a_message_holding_a_marker_line_and_a_byte_order_mark_import_back_whole():
+    messages = [{"role": "user", "content": "quote:\n<!-- specchat: assistant -->\nend"}, MESSAGES[1]]
+    exported = "\ufeff" + transcript.to_markdown("Quoted", "", messages)
+    _, _, imported = transcript.parse("quoted.md", exported)
+    assert [m["role"] for m in imported] == ["user", "assistant"] and imported[0]["content"].endswith("end")
+
+
+def test_a_huge_or_deeply_nested_file_is_refused_at_once():
+    systems = json.dumps([{"role": "system", "content": "x"}] * 50_000)
+    with pytest.raises(ValueError, match="at most 1,000"):
+        transcript.parse("many.json", systems)
+    with pytest.raises(ValueError, match="nests its JSON too deeply"):
+        transcript.parse("deep.json", "[" * 100_000 + "]" * 100_000)

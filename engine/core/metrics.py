@@ -37,6 +37,7 @@ class Stats:
     finish_reason: str = ""
     batch_size: int = 1  # requests in the last round's target pass
     sharing: int = 1  # requests the engine served at the last round (this one included)
+    peak_sharing: int = 1  # the most it served at any round of this request
     queue_s: float = 0.0  # from arrival until the engine took the request up
 
     def add_tokens(self, n: int) -> None:
@@ -77,6 +78,7 @@ class Stats:
             "finish_reason": self.finish_reason,
             "batch_size": self.batch_size,
             "sharing": self.sharing,
+            "peak_sharing": self.peak_sharing,
             "queue_s": self.queue_s,
         }
 
@@ -100,7 +102,7 @@ class Baseline:
 
     def record(self, m: dict) -> None:
         """Learn from a finished answer: a plain one served alone sets its bucket's step cost."""
-        alone = m["sharing"] == 1 and m["batch_size"] == 1
+        alone = m["peak_sharing"] == 1
         if m["mode"] == "autoregressive" and alone and m["new_tokens"] >= self.MIN_TOKENS and m["ttft_s"]:
             self._step_s[self._bucket(m)] = (m["wall_s"] - m["ttft_s"]) / (m["new_tokens"] - 1)
 

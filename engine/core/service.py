@@ -351,11 +351,6 @@ class Engine:
         return self._jobs.qsize() + len(self._serving)
 
     @property
-    def serving(self) -> int:
-        """Requests the engine is serving together."""
-        return len(self._serving)
-
-    @property
     def waiting(self) -> int:
         """Requests queued, not yet taken up (they wait only while the engine is full)."""
         return self._jobs.qsize()
@@ -384,12 +379,13 @@ class Engine:
                 raise self._too_long(f"{characters:,} characters")
             with self._tokenizing:
                 ids = chat.prompt_ids(self.tokenizer, request.messages)
-        if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
-            raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
-        ids += request.answer_ids
         if len(ids) > self.max_input_tokens:
             raise self._too_long(f"{len(ids):,} tokens")
-        return ids
+        if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
+            raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
+        if len(ids) + len(request.answer_ids) >= self.max_context:  # (an answer may grow past the input cap)
+            raise EngineError(f"the answer fills the model's context ({self.max_context:,} tokens): it cannot go on")
+        return ids + list(request.answer_ids)
 
     def _too_long(self, length: str) -> EngineError:
         return EngineError(
@@ -500,6 +496,7 @@ class Engine:
         """Stream a round's text; end the request at a stop string, a cancel or the decoder's end."""
         assert job.decoder is not None and job.detok is not None and job.stops is not None
         job.stats.batch_size, job.stats.sharing = batch_size, len(self._serving)
+        job.stats.peak_sharing = max(job.stats.peak_sharing, job.stats.sharing)
         pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
         job.out += round_.tokens
         delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
@@ -645,10 +642,6 @@ class Loading:
     @property
     def pending(self) -> int:
         return self.engine.pending if self.engine is not None else 0
-
-    @property
-    def serving(self) -> int:
-        return self.engine.serving if self.engine is not None else 0
 
     @property
     def waiting(self) -> int:

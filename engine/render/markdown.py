@@ -75,7 +75,7 @@ def _overlay(rendered: str, source: str, provenance: Sequence[str]) -> str:
                 runs[-1][1] += char
             else:
                 runs.append([kind, char])
-        out += [f'<span class="tok tok-{k}">{html.escape(t, quote=False)}</span>' for k, t in runs]
+        out += [f'<span class="tok tok-{html.escape(k)}">{html.escape(t, quote=False)}</span>' for k, t in runs]
     return "".join(out)
 
 

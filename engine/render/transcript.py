@@ -12,6 +12,7 @@ ROLES = ("user", "assistant")
 MAX_MESSAGES = 1000
 MAX_CHARACTERS = 1_000_000
 _MARKER = re.compile(r"^<!-- specchat: (system|user|assistant) -->\n(?:#{1,6} [^\n]*\n)?", re.MULTILINE)
+_MARKER_LINE = re.compile(r"^<!-- specchat: \w+ -->$", re.MULTILINE)
 _HEADINGS = {"system": "System prompt", "user": "User", "assistant": "Assistant"}
 
 
@@ -24,7 +25,8 @@ def to_json(title: str, system: str, messages: list[dict]) -> str:
 def to_markdown(title: str, system: str, messages: list[dict]) -> str:
     parts = [f"# {title}\n"]
     for role, content in [("system", system)] * bool(system) + [(m["role"], m["content"]) for m in messages]:
-        parts.append(f"<!-- specchat: {role} -->\n### {_HEADINGS[role]}\n\n{content.strip()}\n")
+        body = _MARKER_LINE.sub(lambda m: m.group(0).replace("<!--", "<!-- "), content.strip())  # (not a marker)
+        parts.append(f"<!-- specchat: {role} -->\n### {_HEADINGS[role]}\n\n{body}\n")
     return "\n".join(parts)
 
 
@@ -34,6 +36,7 @@ def parse(name: str, text: str) -> tuple[str, str, list[dict]]:
     what is wrong."""
     if len(text) > MAX_CHARACTERS:
         raise ValueError(f"{name} is {len(text):,} characters long; at most {MAX_CHARACTERS:,} are imported")
+    text = text.removeprefix("\ufeff")  # (a byte-order mark some editors write)
     if name.lower().endswith(".json") or text.lstrip()[:1] in ("{", "["):
         title, system, messages = _from_json(name, text)
     else:
@@ -46,15 +49,17 @@ def _from_json(name: str, text: str) -> tuple[str, str, list[dict]]:
         data: Any = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{name} nests its JSON too deeply to be a conversation") from None
     if isinstance(data, list):
         data = {"messages": data}
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise ValueError(f"{name}: expected a list of messages, or an object with 'messages'")
-    messages = data["messages"]
-    system = data.get("system") or ""
-    for m in [m for m in messages if isinstance(m, dict) and m.get("role") == "system"]:
-        system, messages = str(m.get("content", "")), [x for x in messages if x is not m]
-    return str(data.get("title") or _stem(name)), str(system), messages
+    _count(name, data["messages"])
+    said = [m for m in data["messages"] if not (isinstance(m, dict) and m.get("role") == "system")]
+    systems = [m.get("content") for m in data["messages"] if isinstance(m, dict) and m.get("role") == "system"]
+    system = systems[-1] if systems else data.get("system") or ""
+    return str(data.get("title") or _stem(name)), str(system), said
 
 
 def _from_markdown(name: str, text: str) -> tuple[str, str, list[dict]]:
@@ -68,14 +73,18 @@ def _from_markdown(name: str, text: str) -> tuple[str, str, list[dict]]:
             system = content.strip()
         else:
             messages.append({"role": role, "content": content.strip()})
-    return heading.group(1) if heading else _stem(name), system, messages
+    return heading.group(1).strip() if heading else _stem(name), system, messages
 
 
-def _checked(name: str, messages: list) -> list[dict]:
+def _count(name: str, messages: list) -> None:
     if not messages:
         raise ValueError(f"{name} holds no messages")
     if len(messages) > MAX_MESSAGES:
         raise ValueError(f"{name} holds {len(messages):,} messages; at most {MAX_MESSAGES:,} are imported")
+
+
+def _checked(name: str, messages: list) -> list[dict]:
+    _count(name, messages)
     kept = []
     for i, m in enumerate(messages, 1):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
