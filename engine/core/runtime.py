@@ -66,8 +66,9 @@ def model_label(ir_dir: Path, hf_config: dict) -> str:
     """The model's name and weight precision, for people: from its manifest, else its config."""
     recorded = manifest.read(ir_dir)
     if recorded is not None:
-        return f"{recorded.get('source', ir_dir.name)} · {recorded.get('precision', '?')}"
-    return str(hf_config.get("_name_or_path") or ir_dir.name)
+        name = Path(str(recorded.get("source") or ir_dir)).name  # (a folder's name, not its path, for visitors)
+        return f"{name} · {recorded.get('precision', '?')}"
+    return Path(str(hf_config.get("_name_or_path") or ir_dir)).name
 
 
 class Runtime:
