@@ -32,6 +32,8 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import lru_cache, partial
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -463,7 +465,8 @@ def stream_answer(engine, turns, colour, settings, system, box, continuing=False
 def stopped(turns, colour, metrics):
     """The chat and metrics once Stop has cancelled a stream (unchanged if none was streaming: a
     finished answer's metrics carry its finish reason): the answer so far can be continued."""
-    if not turns or turns[-1]["role"] != "assistant" or last_metrics(turns[-1:]).get("finish_reason", "x"):
+    m = turns[-1].get("metrics") if turns and turns[-1]["role"] == "assistant" else None
+    if not m or m["finish_reason"]:  # (no answer under way: nothing was stopped)
         return gr.skip(), gr.skip(), gr.skip()
     turns = [*turns[:-1], {**turns[-1], "metrics": {**turns[-1]["metrics"], "finish_reason": "cancelled"}}]
     return render_chat(turns, colour), turns, metrics_html(metrics, "stopped")
@@ -523,13 +526,7 @@ def compact(turn: dict, last: bool) -> dict:
     token; token ids only where Continue may need them (a cut last answer)."""
     kept = {k: v for k, v in turn.items() if k not in ("pieces", "token_ids")}
     if turn.get("pieces"):
-        runs: list[list[str]] = []
-        for text, kind in turn["pieces"]:
-            if runs and runs[-1][1] == kind:
-                runs[-1][0] += text
-            else:
-                runs.append([text, kind])
-        kept["pieces"] = runs
+        kept["pieces"] = [["".join(t for t, _ in run), kind] for kind, run in groupby(turn["pieces"], itemgetter(1))]
     if last and cut(turn):
         kept["token_ids"] = turn["token_ids"]
     return kept
@@ -609,10 +606,6 @@ def restore(engine, store, colour):
 
 def new_chat(engine, store, colour):
     return show(engine, store, new_id(), colour)
-
-
-def switch_chat(engine, store, conv_id, colour):
-    return show(engine, store, conv_id, colour)
 
 
 def delete_chat(engine, store, conv_id, colour):
@@ -774,10 +767,6 @@ def _raced(run: dict, now: float) -> tuple[str, str]:
         return run["text"], run_stats(run["metrics"])
     chars, tokens = run["timeline"][at - 1][1:] if at else (0, 0)
     return run["text"][:chars] + " ▌", f"**{tokens / max(now, 1e-3):.1f} tokens/s** · {tokens} tokens · {now:.1f} s"
-
-
-def race_again(runs, temperature):
-    yield from race(runs or {}, float(temperature))
 
 
 PAPER_COLUMNS = [c for c in paper.COLUMNS if c.key not in ("setup", "target_kv_kib", "draft_kv_kib")]
@@ -1062,9 +1051,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
         }
         new.click(**leaving).then(partial(new_chat, engine), [store, colour], opened, **private)
         delete.click(partial(delete_chat, engine), [store, conv_id, colour], opened, cancels=chat_events, **private)
-        conversations.input(**leaving).then(
-            partial(switch_chat, engine), [store, conversations, colour], opened, **private
-        )
+        conversations.input(**leaving).then(partial(show, engine), [store, conversations, colour], opened, **private)
         # (the import queued: a warning reaches the page only through the queue)
         upload.upload(**leaving).then(
             partial(import_chat, engine), [store, upload, colour], opened, api_visibility="private"
@@ -1082,7 +1069,7 @@ def build_app(engine, examples: list[dict] | None = None, secret: str | None = N
                 api_name="compare",
                 **ENGINE_QUEUE,
             ),
-            again.click(race_again, [runs, temperature], compare_out, api_visibility="private"),
+            again.click(race, [runs, temperature], compare_out, api_visibility="private"),
             run_table.click(partial(paper_table, engine), [prompt, k], table, api_name="paper_table", **ENGINE_QUEUE),
         ]
         stop_compare.click(None, cancels=compare_events)  # type: ignore[arg-type]  # Gradio takes its events here

@@ -15,7 +15,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 import app
-from tests.test_app import SlowEngine, serve
+from tests.test_app import SlowEngine, every_round_drawn, serve  # noqa: F401  (an autouse fixture: it applies here too)
 from tests.test_decoding import slowed
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -51,12 +51,6 @@ WATCH = """() => {
   };
   new MutationObserver(record).observe(document.body, {subtree: true, childList: true, characterData: true});
 }"""
-
-
-@pytest.fixture(autouse=True)
-def every_round_drawn(monkeypatch):
-    """The tiny models answer within one redraw period: here every round is drawn."""
-    monkeypatch.setattr(app, "REDRAW_S", 0.0)
 
 
 @pytest.fixture(scope="module")
