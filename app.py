@@ -41,15 +41,17 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no usage pings to 
 
 import gradio as gr
 import pandas as pd
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI
 
 from engine.api.openai import build_router
-from engine.cli import ASSETS, is_loopback
+from engine.cli import ASSETS, is_loopback, run_cli
+from engine.cluster import deploy as cluster
 from engine.core.modes import MODES
-from engine.core.service import Engine, Loading, Request
+from engine.core.service import Loading, Request
 from engine.errors import EngineError
-from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
+from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
 from engine.render import markdown, transcript
+from engine.startup import start_engine
 from engine.tools import paper
 from engine.tools.report import markdown_table, speedup
 
@@ -1086,7 +1088,6 @@ def launch(
     auth: tuple[str, str] | None = None,
     block: bool = True,
     api: APIRouter | None = None,
-    api_key: str | None = None,
 ) -> str:
     """Serve ``demo`` (and ``api``'s routes on the same port) and return its local URL. Where no
     share link can be made (no internet, no tunnel client), say so in one line and keep serving
@@ -1100,18 +1101,11 @@ def launch(
             auth=auth,
             prevent_thread_lock=True,
             quiet=True,
-            show_error=False,  # users see the handlers' own messages; tracebacks go to the log
-            max_file_size="1mb",  # (the only uploads: conversations to import)
-            theme=THEME,
-            css_paths=[ASSETS / "style.css"],
-            css=markdown.highlight_css(),
-            footer_links=["api", "settings"],
+            **page_options(),
         )
     if api is not None:
         demo.server_app.include_router(api)
     local = str(demo.local_url)
-    for warning in launch_warnings(host, share, auth, bool(api_key)):
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if share and demo.share_url:
         print(f"serving at {local} and at the public link {demo.share_url}", flush=True)
     elif share:
@@ -1127,6 +1121,34 @@ def launch(
     if block:
         demo.block_thread()
     return local
+
+
+def page_options() -> dict[str, Any]:
+    """How the page is served, alone or mounted in the cluster's ingress."""
+    return {
+        "show_error": False,  # users see the handlers' own messages; tracebacks go to the log
+        "max_file_size": "1mb",  # (the only uploads: conversations to import)
+        "theme": THEME,
+        "css_paths": [ASSETS / "style.css"],
+        "css": markdown.highlight_css(),
+        "footer_links": ["api", "settings"],
+    }
+
+
+def web_app(args: argparse.Namespace, engine) -> FastAPI:
+    """The page and the API on ``engine`` as one ASGI app: what the cluster's ingress serves."""
+    server = FastAPI()
+    server.include_router(build_router(engine, args.target, model_sources(args), args.api_key))
+    demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
+    return gr.mount_gradio_app(server, demo, path="/", auth=parse_auth(args.auth), **page_options())
+
+
+def model_sources(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Each role's source and precision as given, for /health."""
+    return {
+        role: {"source": getattr(args, role), "precision": getattr(args, f"{role}_precision")}
+        for role in ("target", "draft")
+    }
 
 
 def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None, keyed: bool = False) -> list[str]:
@@ -1180,6 +1202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="conversations whose KV caches are kept, so their next turn prefills only what is new "
         "(default: $SPECCHAT_MAX_SESSIONS, else what fits in half the free memory)",
     )
+    cluster.add_cluster_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -1202,37 +1225,25 @@ def browser_secret(folder: Path) -> str | None:
         return None
 
 
-def start_engine(args: argparse.Namespace) -> Engine:
-    """Prepare the models (converting them on first use) and load them, once."""
-    target, draft = prepare_from_args(args)
-    logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
-    return Engine(
-        target.path,
-        draft.path,
-        device=args.device,
-        max_input_tokens=args.max_input_tokens,
-        max_sessions=args.max_sessions,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    args.auth = args.auth or os.environ.get(AUTH_ENV)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
+        auth = parse_auth(args.auth)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for warning in launch_warnings(args.host, args.share, auth, bool(args.api_key)):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if args.ray is not None:
+        return run_cli(lambda: cluster.serve_forever(args, partial(web_app, args)))
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
-    models = {
-        role: {"source": getattr(args, role), "precision": getattr(args, f"{role}_precision")}
-        for role in ("target", "draft")
-    }
-    api = build_router(engine, args.target, models, args.api_key)
+    api = build_router(engine, args.target, model_sources(args), args.api_key)
     try:
         demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
-        launch(demo, args.host, args.port, args.share, auth, api=api, api_key=args.api_key)
+        launch(demo, args.host, args.port, args.share, auth, api=api)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

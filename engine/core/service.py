@@ -189,6 +189,11 @@ class Stream:
         self._ended = event.final
         return event
 
+    @property
+    def ended(self) -> bool:
+        """Its last event read, or closed."""
+        return self._ended
+
     def cancel(self) -> None:
         self._cancel.set()
 

@@ -1,0 +1,25 @@
+"""The cluster's front door: one process serving the web page and the OpenAI API (the ASGI app
+``web(engine)`` builds, so that the engine never imports the UI) over the engine replicas."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ray.serve._private.http_util import ASGIAppReplicaWrapper  # how Ray's own GradioIngress wraps an app
+from ray.serve.handle import DeploymentHandle
+
+from engine.cluster.deploy import waiting_engine
+from engine.cluster.remote import RemoteEngine
+
+
+class Ingress(ASGIAppReplicaWrapper):
+    def __init__(self, replicas: DeploymentHandle, web: Callable[[Any], Any]) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+        def remote() -> RemoteEngine:
+            logging.getLogger("specchat.cluster").info("waiting for an engine replica to load its models")
+            return RemoteEngine(replicas)
+
+        super().__init__(web(waiting_engine(remote)))

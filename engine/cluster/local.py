@@ -1,0 +1,56 @@
+"""A Ray cluster of two nodes on this machine, on loopback: a head and a second node started with
+``ray start`` exactly as on two machines, for tests and measurements. Each node offers
+``cpus`` CPUs, so that with one CPU per replica each replica runs on a node of its own.
+
+Its own temporary folder and ports: it leaves nothing running (``ray stop`` at the end stops the
+Ray processes of this user on this machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from engine.cli import free_port
+from engine.cluster.deploy import ROOT
+
+LOOPBACK = "127.0.0.1"
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def ray(*args: str, timeout: float = 180) -> None:
+    """Run ``ray ARGS`` with this checkout importable by the node's workers; a failure says why."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"ray {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def node_flags(cpus: float) -> list[str]:
+    """What both nodes are started with: loopback, no dashboard, no ports shared between them."""
+    return [
+        f"--node-ip-address={LOOPBACK}",
+        f"--num-cpus={cpus:g}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats",
+    ]
+
+
+@contextlib.contextmanager
+def two_nodes(cpus: float = 1) -> Iterator[str]:
+    """Start a head and a second node on this machine; yield the head's address; stop both."""
+    port = free_port()
+    address = f"{LOOPBACK}:{port}"
+    with tempfile.TemporaryDirectory(prefix="ray-") as temp:
+        try:
+            ray("start", "--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false", *node_flags(cpus))
+            ray("start", f"--address={address}", *node_flags(cpus))
+            yield address
+        finally:
+            with contextlib.suppress(Exception):
+                ray("stop", "--force", timeout=60)
