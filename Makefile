@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast lint mutants chaos loadtest prepare bench bench-peers ceiling llama-cpp paper report chromium clean
+.PHONY: setup run test test-fast lint mutants chaos loadtest scaleout prepare bench bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -29,7 +29,7 @@ test: setup lint chromium prepare
 
 # Tiny models only (no real pair, no browser, no fresh install).
 test-fast: setup
-	$(PY) -m pytest -q -m "not real and not browser and not install"
+	$(PY) -m pytest -q -m "not real and not browser and not install and not cluster"
 
 # ruff (lint and format), mypy and the import-linter contracts, all configured in pyproject.toml.
 lint: setup
@@ -45,6 +45,11 @@ chaos: setup prepare
 # 1, 2, 4 and 8 users chatting at once through the app on the default pair (loopback, bounded).
 loadtest: setup prepare
 	$(PY) -m engine.tools.loadtest $(ARGS)
+
+# The app on a two-node Ray cluster on this machine (loopback): 1 then 2 engine replicas, 8 users,
+# one replica killed mid-run.
+scaleout: setup prepare
+	$(PY) -m engine.tools.scaleout $(ARGS)
 
 # One-line mutations of the engine, each run against the fast suite: fails if any survives.
 mutants: setup

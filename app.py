@@ -207,6 +207,8 @@ def footer_details(m: dict) -> str:
         ("KV cache", _bytes(m["target_kv_bytes"] + m["draft_kv_bytes"])),
         ("finish", m["finish_reason"]),
     ]
+    if m.get("replica"):  # (served by an engine replica of a cluster)
+        rows.append(("replica", m["replica"]))
     return "\n".join(["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows)])
 
 
@@ -1237,8 +1239,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in launch_warnings(args.host, args.share, auth, bool(args.api_key)):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    if args.ray is not None:
-        return run_cli(lambda: cluster.serve_forever(args, partial(web_app, args)))
+    if args.ray is not None:  # (the page is built in the ingress, from module `app`, also when run as a script)
+        return run_cli(lambda: cluster.serve_forever(args, partial(importlib.import_module("app").web_app, args)))
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
     api = build_router(engine, args.target, model_sources(args), args.api_key)
     try:

@@ -1,2 +1,5 @@
 """The engine beyond one machine: replicas on Ray Serve, an ingress, session affinity
 (:mod:`engine.cluster.deploy` says how they fit together; ``ray`` is imported only here)."""
+
+# What an answer says when the replica writing it dies (the load benchmark counts these apart).
+REPLICA_LOST = "the server replica writing this answer stopped; send the message again to continue on another"

@@ -16,7 +16,9 @@ from ``--cluster-config FILE`` (TOML, a ``[cluster]`` table with the same names)
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import signal
 import sys
 import time
 import tomllib
@@ -33,7 +35,11 @@ from engine.errors import EngineError
 ROOT = Path(__file__).resolve().parents[2]  # where `engine` and `app` are imported from on every node
 APP_NAME = "specchat"
 LOCAL = "local"
-MIN_THREADS = 2  # --ray without an address: start a Ray instance in this process
+MIN_THREADS = 2
+ROUTER = "engine.cluster.router.AffinityRouter"
+# HTTP requests the ingress holds at once: each open page holds a few long ones (Gradio's event
+# streams), so Ray's default of 5 would stall the second visitor.
+INGRESS_REQUESTS = 1000  # --ray without an address: start a Ray instance in this process
 
 
 @dataclass
@@ -115,23 +121,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def application(args: argparse.Namespace, settings: ClusterSettings, web: Callable[[Any], Any]) -> Any:
     """The Serve application: the ingress (``web(engine)`` builds its ASGI app) over the replicas."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from engine.cluster.ingress import Ingress
     from engine.cluster.replica import MAX_ONGOING, EngineReplica
-    from engine.cluster.router import AffinityRouter
 
-    replicas = serve.deployment(EngineReplica).options(
+    replicas = serve.deployment(
         name="engine",
         ray_actor_options={"num_cpus": settings.cpus_per_replica},
         max_ongoing_requests=MAX_ONGOING,
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
-        request_router_config=RequestRouterConfig(request_router_class=AffinityRouter),
+        request_router_config={"request_router_class": ROUTER},
         **settings.scaling(),
-    )
-    ingress = serve.deployment(Ingress).options(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    )(EngineReplica)
+    ingress = serve.deployment(
+        name="ingress", num_replicas=1, max_ongoing_requests=INGRESS_REQUESTS, ray_actor_options={"num_cpus": 0}
+    )(Ingress)
     return ingress.bind(replicas.bind(args, settings.threads), web)
 
 
@@ -146,7 +152,7 @@ def connect(address: str | None) -> None:
         address=None if address in (None, LOCAL) else address,
         _node_ip_address="127.0.0.1" if on_loopback else None,
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         log_to_driver=True,
     )
 
@@ -170,6 +176,7 @@ def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
 
     url = deploy(args, web)
     print(f"serving at {url} (engine replicas on Ray; their models load meanwhile)", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by a service manager: the same
     try:
         while True:
             time.sleep(3600)

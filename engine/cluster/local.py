@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.cli import free_port
-from engine.cluster.deploy import ROOT
+from engine.cluster.deploy import APP_NAME, ROOT
 
 LOOPBACK = "127.0.0.1"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -48,9 +48,27 @@ def two_nodes(cpus: float = 1) -> Iterator[str]:
     address = f"{LOOPBACK}:{port}"
     with tempfile.TemporaryDirectory(prefix="ray-") as temp:
         try:
-            ray("start", "--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false", *node_flags(cpus))
+            head = ["--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false"]
+            ray("start", *head, *node_flags(cpus))
             ray("start", f"--address={address}", *node_flags(cpus))
             yield address
         finally:
             with contextlib.suppress(Exception):
                 ray("stop", "--force", timeout=60)
+
+
+def replicas(app: str = APP_NAME, deployment: str = "engine") -> list[str]:
+    """The ids of the deployment's live replicas (this process must be connected to the cluster)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"].removeprefix(prefix) for a in named if a["name"].startswith(prefix))
+
+
+def kill_replica(replica: str, app: str = APP_NAME, deployment: str = "engine") -> None:
+    """Kill a replica's process outright, as a crash would (Ray Serve then starts another)."""
+    import ray
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve")
+    ray.kill(actor, no_restart=True)

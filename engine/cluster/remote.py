@@ -15,16 +15,17 @@ import logging
 import threading
 import time
 import weakref
+from typing import cast
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from engine.cluster import REPLICA_LOST
 from engine.cluster.router import AFFINITY
 from engine.core.service import STEP_TIMEOUT, Event, Request, Stream
 from engine.errors import EngineError
 
-REPLICA_LOST = "the server replica writing this answer stopped; send the message again to continue on another"
 # A request whose replica is gone before its first event is sent again, this many times at most.
 ATTEMPTS = 3
 RETRY_S = 1.0
@@ -69,7 +70,8 @@ class RemoteStream(Stream):
         """Send the request to a replica and return its verdict (an ``accepted`` event or the
         refusal), trying another replica where the chosen one is gone."""
         for attempt in range(1, ATTEMPTS + 1):
-            self._responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
+            responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
+            self._responses = cast(DeploymentResponseGenerator, responses)
             try:
                 return next(self._responses)
             except GONE as exc:

@@ -18,12 +18,13 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cli import CODING_PROMPTS, run_cli
+from engine.cluster import REPLICA_LOST
 from engine.errors import EngineError
 from engine.tools.bench import load_prompts
 from engine.tools.chaos import app_server, last_text, peak_rss_gib, require_loopback, said
@@ -45,6 +46,13 @@ COLUMNS = [
     Column("differ from solo", "differ"),
     Column("peak RSS GiB", "peak_rss_gib", "{:.2f}"),
 ]
+ANSWER_FIGURES = ("prompt_tokens", "cached_tokens", "tokens_per_s", "batch_size", "replica")
+# Against a cluster (specchat serve --ray): how the answers spread over the engine replicas.
+CLUSTER_COLUMNS = [
+    Column("replicas", "replicas"),
+    Column("affinity", "affinity", "{:.0%}"),
+    Column("cut by a killed replica", "killed"),
+]
 
 
 @dataclass
@@ -56,15 +64,26 @@ class Answer:
     ttft_s: float | None = None  # as the client saw it: from sending until the first text
     wall_s: float = 0.0
     metrics: dict = field(default_factory=dict)  # the engine's, from the metrics output
+    comparable: bool = True  # the conversation so far is the solo run's (no earlier turn failed)
 
     @property
     def tokens(self) -> int:
         return int(self.metrics.get("new_tokens", 0))
 
+    @property
+    def replica(self) -> str | None:
+        """The engine replica that served it (None: a single engine)."""
+        return self.metrics.get("replica")
+
+    @property
+    def killed(self) -> bool:
+        """Cut short because the replica writing it died."""
+        return self.error == REPLICA_LOST
+
 
 def chat_metrics(output: Sequence) -> dict:
     """The engine's metrics dict among the chat endpoint's outputs."""
-    return next((o for o in output if isinstance(o, dict) and "tokens_per_s" in o), {})
+    return next((o for o in output if isinstance(o, dict) and ("tokens_per_s" in o or "replica" in o)), {})
 
 
 def converse(
@@ -74,11 +93,11 @@ def converse(
     from gradio_client import Client
 
     client = Client(url, verbose=False)
-    answers = []
+    answers: list[Answer] = []
     for turn, message in enumerate(messages):
         if time.monotonic() > deadline:
             break
-        answer = Answer(user, turn)
+        answer = Answer(user, turn, comparable=not any(a.error for a in answers))
         start = time.monotonic()
         try:
             job = client.submit(message, False, *settings, max_new_tokens, -1, api_name="/respond")
@@ -96,6 +115,10 @@ def converse(
     return answers
 
 
+def columns(rows: list[dict]) -> list[Column]:
+    return COLUMNS + CLUSTER_COLUMNS if any(r["replicas"] for r in rows) else COLUMNS
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
@@ -103,11 +126,36 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def affinity(answers: list[Answer]) -> float | None:
+    """The share of follow-up turns served by the replica that served the conversation's turn
+    before (the one holding its KV caches), among those whose replica did not die."""
+    lost = {a.replica for a in answers if a.killed}
+    before = {(a.user, a.turn): a.replica for a in answers}
+    follow_ups = [(a.replica, before.get((a.user, a.turn - 1))) for a in answers if a.turn and not a.error]
+    counted = [now == then for now, then in follow_ups if then is not None and then not in lost]
+    return sum(counted) / len(counted) if counted else None
+
+
+def spread(answers: list[Answer], seconds: float) -> dict[str, dict]:
+    """Each replica's answers, tokens and tokens/s over the phase."""
+    by_replica: dict[str, dict] = {}
+    for a in answers:
+        if a.replica and not a.error:
+            row = by_replica.setdefault(a.replica, {"answers": 0, "tokens": 0})
+            row["answers"] += 1
+            row["tokens"] += a.tokens
+    for row in by_replica.values():
+        row["tokens_per_s"] = row["tokens"] / seconds if seconds else 0.0
+    return by_replica
+
+
 def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tuple[int, int], str]) -> dict:
-    """One row of the table (``solo``: the lone runs' answers, by user and turn)."""
+    """One row of the table (``solo``: the lone runs' answers, by user and turn). Answers after a
+    failed turn are not compared: their conversation is no longer the solo run's."""
     served = [a for a in answers if not a.error]
     others = {text for (u, _), text in solo.items()}
-    expected = [solo.get((a.user, a.turn)) for a in served]
+    expected = [solo.get((a.user, a.turn)) if a.comparable else None for a in served]
+    replicas = spread(answers, seconds)
     return {
         "users": users,
         "answers": len(answers),
@@ -119,7 +167,11 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
         "ttft_p95_s": percentile([a.ttft_s for a in served if a.ttft_s is not None], 0.95),
         "queue_p95_s": percentile([a.metrics.get("queue_s", 0.0) for a in served], 0.95),
         "largest_batch": max((a.metrics.get("batch_size", 1) for a in served), default=0),
-        "errors": len(answers) - len(served),
+        "errors": sum(bool(a.error) and not a.killed for a in answers),
+        "killed": sum(a.killed for a in answers),
+        "replicas": len(replicas) or None,
+        "affinity": affinity(answers) if replicas else None,
+        "per_replica": replicas,
         "lost": sum(not a.text for a in served),
         "mixed": sum(bool(a.text) and a.text != e and a.text in others for a, e in zip(served, expected)),
         "differ": sum(e is not None and a.text != e for a, e in zip(served, expected)),
@@ -131,7 +183,8 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
                 "tokens": a.tokens,
                 "wall_s": a.wall_s,
                 "ttft_s": a.ttft_s,
-                **{k: a.metrics.get(k) for k in ("prompt_tokens", "cached_tokens", "tokens_per_s", "batch_size")},
+                "error": a.error,
+                **{k: a.metrics.get(k) for k in ANSWER_FIGURES},
             }
             for a in answers
         ],
@@ -155,7 +208,8 @@ def run_phase(url: str, conversations: list[list[str]], args: argparse.Namespace
     return answers, time.monotonic() - start
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_phase: Callable[[int], None] | None = None) -> int:
+    """``on_phase(users)`` is called as each phase of users together starts (a fault to inject)."""
     parser = argparse.ArgumentParser(prog="python -m engine.tools.loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running app (loopback only); default: start one")
     parser.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent users per phase")
@@ -184,14 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                 if users == 1:  # the solo runs are the lone user's phase
                     answers, took = alone, seconds
                 else:
+                    if on_phase:
+                        on_phase(users)
                     answers, took = run_phase(url, conversations[:users], args, together=True)
                 rows.append(summarize(users, answers, took, solo))
                 rows[-1]["peak_rss_gib"] = peak_rss_gib(pid) if pid else None
-                print(markdown_table(rows[-1:], COLUMNS), flush=True)
+                print(markdown_table(rows[-1:], columns(rows)), flush=True)
         one = next((r for r in rows if r["users"] == 1), None)
         for row in rows:
             row["aggregate_vs_one"] = row["aggregate_tokens_per_s"] / one["aggregate_tokens_per_s"] if one else None
-        table = markdown_table(rows, COLUMNS)
+        table = markdown_table(rows, columns(rows))
         print(table)
         for row in rows:
             for failure in row["failures"]:

@@ -1,0 +1,179 @@
+"""The app on Ray Serve (engine/cluster): settings, affinity keys and routing on their own; then a
+real two-node Ray cluster on loopback with the tiny pair: the load benchmark through the page
+with a replica killed mid-run, and a replica killed under a streaming answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+
+from engine.cluster import REPLICA_LOST, local
+from engine.cluster.deploy import APP_NAME, MIN_THREADS, ClusterSettings, connect
+from engine.cluster.remote import RemoteEngine, affinity_key
+from engine.cluster.router import AffinityRouter
+from engine.core.service import Request
+from engine.errors import EngineError
+from engine.tools import loadtest, scaleout
+from engine.tools.chaos import app_server
+
+SETTINGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica")
+
+
+def flags(config: str | None = None, **given) -> Namespace:
+    return Namespace(cluster_config=config, **{name: given.get(name) for name in SETTINGS})
+
+
+def test_settings_come_from_flags_over_the_config_file_over_defaults(tmp_path):
+    assert ClusterSettings.from_args(flags()).scaling() == {"num_replicas": 2}
+    config = tmp_path / "cluster.toml"
+    config.write_text("[cluster]\nreplicas = 3\ncpus_per_replica = 4\n")
+    settings = ClusterSettings.from_args(flags(str(config), replicas=5))
+    assert (settings.replicas, settings.cpus_per_replica, settings.threads) == (5, 4, 4)
+    autoscaled = ClusterSettings.from_args(flags(min_replicas=1, max_replicas=4, target_ongoing_requests=2))
+    assert autoscaled.scaling() == {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2}
+    }
+    assert ClusterSettings.from_args(flags(cpus_per_replica=1)).threads == MIN_THREADS  # (OpenVINO needs two)
+
+
+@pytest.mark.parametrize(
+    ("text", "given", "says"),
+    [
+        ("[cluster]\nreplica = 2\n", {}, "unknown setting"),
+        ("[cluster\n", {}, "cannot read"),
+        ("", {"max_replicas": 3}, "both --min-replicas and --max-replicas"),
+        ("", {"min_replicas": 4, "max_replicas": 2}, "between 0 and"),
+        ("", {"replicas": 0}, "must be positive"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_reason(tmp_path, text, given, says):
+    config = tmp_path / "cluster.toml"
+    config.write_text(text)
+    with pytest.raises(EngineError, match=says):
+        ClusterSettings.from_args(flags(str(config), **given))
+
+
+def test_every_turn_of_a_conversation_has_its_opening_key():
+    opening = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    later = (*opening, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"})
+    assert affinity_key(Request(opening)) == affinity_key(Request(later)) is not None
+    assert affinity_key(Request(later, answer_ids=(5, 6))) == affinity_key(Request(opening))  # Continue
+    assert affinity_key(Request(({"role": "user", "content": "Bye"},))) != affinity_key(Request(opening))
+    assert affinity_key(Request(opening, reuse_cache=False)) is None  # fresh caches: any replica
+    assert affinity_key(Request(prompt_ids=tuple(range(80)))) == affinity_key(Request(prompt_ids=tuple(range(90))))
+
+
+def replica(name: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def routed(router: AffinityRouter, key: str | None, candidates: list) -> list[str]:
+    pending = SimpleNamespace(kwargs={"affinity": key} if key else {})
+    ranks = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
+    return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+
+def router() -> AffinityRouter:
+    made = AffinityRouter.__new__(AffinityRouter)  # (the routing logic alone, without Ray's plumbing)
+    made.initialize_state()
+    return made
+
+
+def test_a_conversation_returns_to_its_replica_and_moves_only_when_it_is_gone():
+    a, b, c = replica("a"), replica("b"), replica("c")
+    first = router()
+    order = routed(first, "conversation-1", [a, b])
+    assert sorted(order) == ["a", "b"] and routed(router(), "conversation-1", [b, a]) == order  # ingresses agree
+    home = order[1]  # say Ray found the first choice full and took the other
+    served = SimpleNamespace(kwargs={"affinity": "conversation-1"})
+    first.on_request_routed(served, SimpleNamespace(unique_id=home), None)  # type: ignore[arg-type]
+    assert routed(first, "conversation-1", [a, b, c])[0] == home  # a replica added: it stays where it was
+    left = [r for r in (a, b, c) if r.replica_id.unique_id != home]
+    assert routed(first, "conversation-1", left)[0] != home  # its replica gone: another takes it
+    assert routed(first, None, [a, b]) == ["a", "b"]  # no key: Ray's least-loaded choice among all
+    homes = [routed(router(), f"conversation-{i}", [a, b])[0] for i in range(200)]
+    assert 60 < homes.count("a") < 140  # new conversations spread over the replicas
+
+
+def answer(user: int, turn: int, replica: str, error: str = "") -> loadtest.Answer:
+    return loadtest.Answer(user, turn, text="x", error=error, metrics={"replica": replica, "new_tokens": 4})
+
+
+def test_affinity_counts_follow_ups_on_their_replica_unless_it_was_killed():
+    answers = [answer(0, 0, "a"), answer(0, 1, "a"), answer(0, 2, "b")]  # one miss of two
+    assert loadtest.affinity(answers) == 0.5
+    killed = [
+        answer(1, 0, "a"),
+        answer(1, 1, "a", REPLICA_LOST),
+        answer(1, 2, "b"),
+        answer(2, 0, "b"),
+        answer(2, 1, "b"),
+    ]
+    assert loadtest.affinity(killed) == 1.0  # moving off a killed replica is not a miss
+    assert loadtest.spread(killed, 2.0)["b"] == {"answers": 3, "tokens": 12, "tokens_per_s": 6.0}
+
+
+# -- on a two-node Ray cluster on loopback, the tiny pair ------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    with local.two_nodes(cpus=1) as address:
+        yield address
+
+
+def tiny_models(hf_target, hf_draft, tiny_cache) -> list[str]:
+    models = ["--target", str(hf_target), "--draft", str(hf_draft), "--cache-dir", str(tiny_cache)]
+    return [*models, "--target-precision", "fp16", "--draft-precision", "fp16"]
+
+
+@pytest.mark.cluster
+def test_load_through_the_page_with_a_replica_killed_mid_run(
+    cluster, ir_target, hf_target, hf_draft, tiny_cache, tmp_path
+):
+    prompts = tmp_path / "prompts.jsonl"  # short ones: the tiny model's context is 256 tokens
+    prompts.write_text("".join(f'{{"prompt": "Tell me about {w}."}}\n' for w in ("cats", "rain", "tea", "bread")))
+    args = Namespace(users=8, turns=3, prompts=prompts, max_new_tokens=16, kill_after=1.0)
+    rows = {r["users"]: r for r in scaleout.measure(cluster, 2, args, tiny_models(hf_target, hf_draft, tiny_cache))}
+    for row in rows.values():
+        assert row["answers"] == 8 * 3
+        assert row["errors"] == row["lost"] == row["mixed"] == row["differ"] == 0, row["failures"]
+        assert row["affinity"] >= 0.9
+    assert rows[1]["replicas"] == 2  # conversations spread over both
+    assert rows[8]["killed_replica"] and rows[8]["killed"] <= 8  # at most the answers then in flight were cut
+
+
+@pytest.mark.cluster
+def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
+    cluster, ir_target, hf_target, hf_draft, tiny_cache
+):
+    from ray import serve
+
+    with app_server([*tiny_models(hf_target, hf_draft, tiny_cache), "--ray", cluster, "--replicas", "2"]):
+        connect(cluster)
+        try:
+            engine = RemoteEngine(serve.get_deployment_handle("engine", APP_NAME))
+            opening = ({"role": "user", "content": "Tell me a long story."},)
+            request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
+            stream = engine.generate(request)
+            first = next(e for e in stream if e.kind == "delta")
+            local.kill_replica(first.metrics["replica"])
+            start = time.monotonic()
+            final = next(e for e in stream if e.final)
+            assert final.kind == "error" and final.error == REPLICA_LOST and time.monotonic() - start < 30
+            # The next turn of that conversation: another replica prefills it, no error.
+            again = engine.run(request)
+            assert again.kind == "done" and again.metrics["replica"] != first.metrics["replica"]
+            fresh = engine.run(Request(opening, mode="autoregressive", max_new_tokens=200, reuse_cache=False))
+            assert again.token_ids == fresh.token_ids  # the same answer as a solo run on fresh caches
+            deadline = time.monotonic() + 120  # Ray starts a replica in place of the killed one
+            while len(local.replicas()) < 2 and time.monotonic() < deadline:
+                time.sleep(1)
+            assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
+            assert engine.healthy
+        finally:
+            import ray
+
+            ray.shutdown()
