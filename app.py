@@ -1256,11 +1256,12 @@ def main(argv: list[str] | None = None) -> int:
 
 # `specchat COMMAND`: the app, and the tools as they run with `python -m MODULE`.
 COMMANDS = {
-    "serve": ("app", "the chat app, its OpenAI-compatible API and /health on one port"),
+    "serve": ("app", "the chat app, its OpenAI-compatible API and /health on one port (--ray: on a cluster)"),
     "prepare": ("engine.prepare.pipeline", "fetch and convert the models (the first start does it too)"),
     "bench": ("engine.tools.bench", "tokens/s of our modes and the peers on a prompt set, as a table"),
     "chaos": ("engine.tools.chaos", "normal and misbehaving users against the app, on loopback"),
     "loadtest": ("engine.tools.loadtest", "1, 2, 4, 8 users chatting at once: speed, TTFT, exactness, memory"),
+    "scaleout": ("engine.tools.scaleout", "the app on a local two-node Ray cluster, a replica killed mid-run"),
     "crossover": ("engine.tools.crossover", "where batched plain steps beat speculation, from measured passes"),
     "ceiling": ("engine.tools.ceiling", "the speedup a clairvoyant drafter would reach, from measured costs"),
     "paper": ("engine.tools.paper", "the paper's table (arXiv 2311.04951) on this machine"),

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from engine.cluster import REPLICA_LOST, local
-from engine.cluster.deploy import APP_NAME, MIN_THREADS, ClusterSettings, connect
+from engine.cluster.deploy import APP_NAME, MIN_THREADS, ClusterSettings
 from engine.cluster.remote import RemoteEngine, affinity_key
 from engine.cluster.router import AffinityRouter
-from engine.core.service import Request
+from engine.core.service import Event, Request, Stream
 from engine.errors import EngineError
 from engine.tools import loadtest, scaleout
 from engine.tools.chaos import app_server
@@ -145,35 +145,34 @@ def test_load_through_the_page_with_a_replica_killed_mid_run(
     assert rows[8]["killed_replica"] and rows[8]["killed"] <= 8  # at most the answers then in flight were cut
 
 
+def last(stream: Stream) -> Event:
+    return next(event for event in stream if event.final)
+
+
 @pytest.mark.cluster
 def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
     cluster, ir_target, hf_target, hf_draft, tiny_cache
 ):
     from ray import serve
 
-    with app_server([*tiny_models(hf_target, hf_draft, tiny_cache), "--ray", cluster, "--replicas", "2"]):
-        connect(cluster)
-        try:
-            engine = RemoteEngine(serve.get_deployment_handle("engine", APP_NAME))
-            opening = ({"role": "user", "content": "Tell me a long story."},)
-            request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
-            stream = engine.generate(request)
-            first = next(e for e in stream if e.kind == "delta")
-            local.kill_replica(first.metrics["replica"])
-            start = time.monotonic()
-            final = next(e for e in stream if e.final)
-            assert final.kind == "error" and final.error == REPLICA_LOST and time.monotonic() - start < 30
-            # The next turn of that conversation: another replica prefills it, no error.
-            again = engine.run(request)
-            assert again.kind == "done" and again.metrics["replica"] != first.metrics["replica"]
-            fresh = engine.run(Request(opening, mode="autoregressive", max_new_tokens=200, reuse_cache=False))
-            assert again.token_ids == fresh.token_ids  # the same answer as a solo run on fresh caches
-            deadline = time.monotonic() + 120  # Ray starts a replica in place of the killed one
-            while len(local.replicas()) < 2 and time.monotonic() < deadline:
-                time.sleep(1)
-            assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
-            assert engine.healthy
-        finally:
-            import ray
-
-            ray.shutdown()
+    served = [*tiny_models(hf_target, hf_draft, tiny_cache), "--ray", cluster, "--replicas", "2"]
+    with app_server(served), local.connected(cluster):
+        engine = RemoteEngine(serve.get_deployment_handle("engine", APP_NAME))
+        opening = ({"role": "user", "content": "Tell me a long story."},)
+        request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
+        stream = engine.generate(request)
+        first = next(e for e in stream if e.kind == "delta")
+        local.kill_replica(first.metrics["replica"])
+        start = time.monotonic()
+        cut = last(stream)
+        assert cut.kind == "error" and cut.error == REPLICA_LOST and time.monotonic() - start < 30
+        # The next turn of that conversation: another replica prefills it, no error.
+        again = last(engine.generate(request))
+        assert again.kind == "done" and again.metrics["replica"] != first.metrics["replica"]
+        fresh = last(engine.generate(Request(opening, mode="autoregressive", max_new_tokens=200, reuse_cache=False)))
+        assert again.token_ids == fresh.token_ids  # the same answer as a solo run on fresh caches
+        deadline = time.monotonic() + 120  # Ray starts a replica in place of the killed one
+        while len(local.replicas()) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
+        assert engine.healthy

@@ -165,7 +165,12 @@ def deploy(args: argparse.Namespace, web: Callable[[Any], Any]) -> str:
     settings = ClusterSettings.from_args(args)
     connect(args.ray)
     serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-    serve.run(application(args, settings, web), name=APP_NAME, route_prefix="/", blocking=False)
+    quiet = {"enable_access_log": False}  # (the page polls: a line per request would bury the rest)
+    try:
+        serve.run(application(args, settings, web), name=APP_NAME, route_prefix="/", logging_config=quiet)
+    except RuntimeError as exc:  # a replica that cannot start (a model that cannot be prepared...)
+        reason = str(exc).strip().splitlines()[0]
+        raise EngineError(f"the app could not be deployed on the cluster: {reason} (the log above has why)") from exc
     return f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
 
 

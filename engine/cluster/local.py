@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.cli import free_port
-from engine.cluster.deploy import APP_NAME, ROOT
+from engine.cluster.deploy import APP_NAME, ROOT, connect
 
 LOOPBACK = "127.0.0.1"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -72,3 +72,15 @@ def kill_replica(replica: str, app: str = APP_NAME, deployment: str = "engine") 
 
     actor = ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve")
     ray.kill(actor, no_restart=True)
+
+
+@contextlib.contextmanager
+def connected(address: str) -> Iterator[None]:
+    """This process joined to the cluster at ``address`` (to look at or kill replicas), then not."""
+    import ray
+
+    connect(address)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.cli import CODING_PROMPTS, run_cli
-from engine.cluster import deploy, local
+from engine.cluster import local
 from engine.errors import EngineError
 from engine.tools import loadtest
 from engine.tools.chaos import app_server
@@ -67,18 +67,12 @@ def measure(address: str, deployed: int, args: argparse.Namespace, app_args: lis
     """The load benchmark's rows against the app with ``deployed`` replicas on the cluster."""
     record: dict = {}
     serve = [*app_args, "--ray", address, "--replicas", str(deployed), "--cpus-per-replica", "1"]
-    with app_server(serve) as (url, _), tempfile.TemporaryDirectory() as out:
-        import ray
-
-        deploy.connect(address)  # (to kill a replica)
-        try:
-            argv = ["--url", url, "--users", "1", str(args.users), "--turns", str(args.turns)]
-            argv += ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
-            argv += ["--json", f"{out}/load.json", "--table", f"{out}/load.md", "--chart", f"{out}/load.png"]
-            kill_after = args.kill_after if deployed > 1 else 0  # (killing the only replica is an outage)
-            loadtest.main(argv, on_phase=killer(kill_after, args.users, record))
-        finally:
-            ray.shutdown()
+    with app_server(serve) as (url, _), tempfile.TemporaryDirectory() as out, local.connected(address):
+        argv = ["--url", url, "--users", "1", str(args.users), "--turns", str(args.turns)]
+        argv += ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
+        argv += ["--json", f"{out}/load.json", "--table", f"{out}/load.md", "--chart", f"{out}/load.png"]
+        kill_after = args.kill_after if deployed > 1 else 0  # (killing the only replica is an outage)
+        loadtest.main(argv, on_phase=killer(kill_after, args.users, record))
         rows = json.loads(Path(f"{out}/load.json").read_text())["rows"]
     for row in rows:
         per_replica = row["per_replica"].values()
