@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "def add(a, b):"}]
 @pytest.fixture(scope="module")
 def served(engine):
     demo = app.build_app(engine)
-    url = app.launch(demo, port=free_port(), block=False, api=build_router(engine, "tiny", MODELS, KEY), api_key=KEY)
+    url = app.launch(demo, port=free_port(), block=False, api=build_router(engine, "tiny", MODELS, KEY))
     yield url
     demo.close()
 

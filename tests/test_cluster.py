@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.cluster import REPLICA_LOST, local
-from engine.cluster.deploy import APP_NAME, MIN_THREADS, ClusterSettings
+import app
+from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST, local
+from engine.cluster.deploy import MIN_THREADS, ClusterSettings
 from engine.cluster.remote import RemoteEngine, affinity_key
 from engine.cluster.router import AffinityRouter
 from engine.core.service import Event, Request, Stream
@@ -46,7 +47,8 @@ def test_settings_come_from_flags_over_the_config_file_over_defaults(tmp_path):
         ("[cluster]\nreplica = 2\n", {}, "unknown setting"),
         ("[cluster\n", {}, "cannot read"),
         ("", {"max_replicas": 3}, "both --min-replicas and --max-replicas"),
-        ("", {"min_replicas": 4, "max_replicas": 2}, "between 0 and"),
+        ("", {"min_replicas": 4, "max_replicas": 2}, "between 1 and"),
+        ("", {"min_replicas": 0, "max_replicas": 2}, "between 1 and"),
         ("", {"replicas": 0}, "must be positive"),
     ],
 )
@@ -72,7 +74,7 @@ def replica(name: str):
 
 
 def routed(router: AffinityRouter, key: str | None, candidates: list) -> list[str]:
-    pending = SimpleNamespace(kwargs={"affinity": key} if key else {})
+    pending = SimpleNamespace(kwargs={"affinity": key} if key else {}, routing_context=SimpleNamespace())
     ranks = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
     return [r.replica_id.unique_id for rank in ranks for r in rank]
 
@@ -103,17 +105,21 @@ def answer(user: int, turn: int, replica: str, error: str = "") -> loadtest.Answ
     return loadtest.Answer(user, turn, text="x", error=error, metrics={"replica": replica, "new_tokens": 4})
 
 
+CUT = app.render_answer({"failed": True, "content": REPLICA_LOST}, colour=False)  # as the page shows it
+
+
 def test_affinity_counts_follow_ups_on_their_replica_unless_it_was_killed():
     answers = [answer(0, 0, "a"), answer(0, 1, "a"), answer(0, 2, "b")]  # one miss of two
     assert loadtest.affinity(answers) == 0.5
     killed = [
         answer(1, 0, "a"),
-        answer(1, 1, "a", REPLICA_LOST),
+        answer(1, 1, "a", CUT),
         answer(1, 2, "b"),
         answer(2, 0, "b"),
         answer(2, 1, "b"),
     ]
     assert loadtest.affinity(killed) == 1.0  # moving off a killed replica is not a miss
+    assert loadtest.summarize(3, killed, 2.0, {})["killed"] == 1
     assert loadtest.spread(killed, 2.0)["b"] == {"answers": 3, "tokens": 12, "tokens_per_s": 6.0}
 
 
@@ -142,7 +148,9 @@ def test_load_through_the_page_with_a_replica_killed_mid_run(
         assert row["errors"] == row["lost"] == row["mixed"] == row["differ"] == 0, row["failures"]
         assert row["affinity"] >= 0.9
     assert rows[1]["replicas"] == 2  # conversations spread over both
-    assert rows[8]["killed_replica"] and rows[8]["killed"] <= 8  # at most the answers then in flight were cut
+    killed = rows[8]["killed_replica"]
+    after = [a for a in rows[8]["per_answer"] if a["replica"] and a["replica"] != killed]
+    assert killed and after  # the killed replica's conversations went on elsewhere
 
 
 def last(stream: Stream) -> Event:
@@ -157,11 +165,12 @@ def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
 
     served = [*tiny_models(hf_target, hf_draft, tiny_cache), "--ray", cluster, "--replicas", "2"]
     with app_server(served), local.connected(cluster):
-        engine = RemoteEngine(serve.get_deployment_handle("engine", APP_NAME))
+        engine = RemoteEngine(serve.get_deployment_handle(ENGINE, APP_NAME))
         opening = ({"role": "user", "content": "Tell me a long story."},)
         request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
         stream = engine.generate(request)
         first = next(e for e in stream if e.kind == "delta")
+        assert engine.pending == 1 and stream.refusal == ""
         local.kill_replica(first.metrics["replica"])
         start = time.monotonic()
         cut = last(stream)
@@ -175,4 +184,7 @@ def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
         while len(local.replicas()) < 2 and time.monotonic() < deadline:
             time.sleep(1)
         assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
-        assert engine.healthy
+        assert engine.healthy and engine.pending == 0
+        refused = engine.generate(Request(opening, mode="no-such-mode"))
+        assert "mode" in refused.refusal and last(refused).kind == "error"  # said by a replica, before any work
+        engine.close()

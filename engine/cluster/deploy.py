@@ -28,18 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli import is_loopback
+from engine.cluster import APP_NAME, ENGINE
 from engine.core.modes import MODES
 from engine.core.service import Loading
 from engine.errors import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]  # where `engine` and `app` are imported from on every node
-APP_NAME = "specchat"
-LOCAL = "local"
+LOCAL = "local"  # --ray without an address: start a Ray instance in this process
 MIN_THREADS = 2
 ROUTER = "engine.cluster.router.AffinityRouter"
 # HTTP requests the ingress holds at once: each open page holds a few long ones (Gradio's event
 # streams), so Ray's default of 5 would stall the second visitor.
-INGRESS_REQUESTS = 1000  # --ray without an address: start a Ray instance in this process
+INGRESS_REQUESTS = 1000
+# Seconds a replica being removed (scaled down, redeployed) has to finish its answers.
+DRAIN_S = 300
 
 
 @dataclass
@@ -73,8 +75,8 @@ class ClusterSettings:
             raise EngineError("autoscaling needs both --min-replicas and --max-replicas")
         if self.replicas < 1 or self.cpus_per_replica <= 0 or self.target_ongoing_requests <= 0:
             raise EngineError("replicas, CPUs per replica and the target load must be positive")
-        if self.autoscaled and not 0 <= self.min_replicas <= self.max_replicas:  # type: ignore[operator]
-            raise EngineError("--min-replicas must be between 0 and --max-replicas")
+        if self.autoscaled and not 1 <= self.min_replicas <= self.max_replicas:  # type: ignore[operator]
+            raise EngineError("--min-replicas must be between 1 and --max-replicas (the page needs a replica)")
 
     @property
     def autoscaled(self) -> bool:
@@ -123,15 +125,15 @@ def application(args: argparse.Namespace, settings: ClusterSettings, web: Callab
     from ray import serve
 
     from engine.cluster.ingress import Ingress
-    from engine.cluster.replica import MAX_ONGOING, EngineReplica
+    from engine.cluster.replica import MAX_CALLS, EngineReplica
 
     replicas = serve.deployment(
-        name="engine",
+        name=ENGINE,
         ray_actor_options={"num_cpus": settings.cpus_per_replica},
-        max_ongoing_requests=MAX_ONGOING,
+        max_ongoing_requests=MAX_CALLS,
         health_check_period_s=5,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=DRAIN_S,
         request_router_config={"request_router_class": ROUTER},
         **settings.scaling(),
     )(EngineReplica)
@@ -180,7 +182,7 @@ def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
     from ray import serve
 
     url = deploy(args, web)
-    print(f"serving at {url} (engine replicas on Ray; their models load meanwhile)", flush=True)
+    print(f"serving at {url} (engine replicas on Ray)", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by a service manager: the same
     try:
         while True:

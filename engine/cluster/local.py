@@ -2,8 +2,8 @@
 ``ray start`` exactly as on two machines, for tests and measurements. Each node offers
 ``cpus`` CPUs, so that with one CPU per replica each replica runs on a node of its own.
 
-Its own temporary folder and ports: it leaves nothing running (``ray stop`` at the end stops the
-Ray processes of this user on this machine)."""
+Its own temporary folder and ports; it leaves nothing running: ``ray stop`` at the end stops
+every Ray process of this user on this machine, so do not run it beside a cluster of your own."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.cli import free_port
-from engine.cluster.deploy import APP_NAME, ROOT, connect
+from engine.cluster import APP_NAME, ENGINE
+from engine.cluster.deploy import ROOT, connect
 
 LOOPBACK = "127.0.0.1"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -57,7 +58,7 @@ def two_nodes(cpus: float = 1) -> Iterator[str]:
                 ray("stop", "--force", timeout=60)
 
 
-def replicas(app: str = APP_NAME, deployment: str = "engine") -> list[str]:
+def replicas(app: str = APP_NAME, deployment: str = ENGINE) -> list[str]:
     """The ids of the deployment's live replicas (this process must be connected to the cluster)."""
     import ray
 
@@ -66,7 +67,7 @@ def replicas(app: str = APP_NAME, deployment: str = "engine") -> list[str]:
     return sorted(a["name"].removeprefix(prefix) for a in named if a["name"].startswith(prefix))
 
 
-def kill_replica(replica: str, app: str = APP_NAME, deployment: str = "engine") -> None:
+def kill_replica(replica: str, app: str = APP_NAME, deployment: str = ENGINE) -> None:
     """Kill a replica's process outright, as a crash would (Ray Serve then starts another)."""
     import ray
 

@@ -12,16 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import cast
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from engine.cluster import REPLICA_LOST
+from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST
 from engine.cluster.router import AFFINITY
 from engine.core.service import STEP_TIMEOUT, Event, Request, Stream
 from engine.errors import EngineError
@@ -37,7 +39,9 @@ log = logging.getLogger("specchat.cluster")
 
 def affinity_key(request: Request) -> str | None:
     """The same for every turn of one conversation: its opening (the system prompt and the first
-    user message), or its first prompt tokens. None for a request that wants fresh caches."""
+    user message), or for a raw token prompt its first 64 ids (a conversation whose first prompt
+    is shorter may move once). Conversations that open alike share a key, and so a replica: the
+    one whose caches hold that opening. None for a request that wants fresh caches."""
     if not request.reuse_cache:
         return None
     if request.prompt_ids:
@@ -49,63 +53,80 @@ def affinity_key(request: Request) -> str | None:
 
 
 class RemoteStream(Stream):
-    """A request's events as a replica streams them, in :class:`Stream`'s form. The replica's
-    first event is its verdict (sent before any work), so a refusal is known when this returns."""
+    """A request's events as a replica streams them, in :class:`Stream`'s form, read by a thread
+    of its own. The replica's first event is its verdict (the refusal, or ``accepted``, sent
+    before any work): ``refusal`` waits for it."""
 
-    def __init__(self, replicas: DeploymentHandle, request: Request, step_timeout: float) -> None:
-        super().__init__(step_timeout, lambda: True)  # a stuck replica's own stream times out
+    def __init__(
+        self, replicas: DeploymentHandle, request: Request, step_timeout: float, healthy: Callable[[], bool]
+    ) -> None:
+        super().__init__(step_timeout, healthy)
         self._replicas = replicas.options(stream=True)
         self._request = request
         self._affinity = affinity_key(request)
         self._responses: DeploymentResponseGenerator | None = None
         self._last: dict = {}  # the metrics of the latest event
-        verdict = self._open()
-        if verdict.kind == "error":
-            self.refusal = verdict.error if verdict.error != REPLICA_LOST else ""
-            self._events.put(verdict)
-        else:
-            threading.Thread(target=self._pump, name="remote-stream", daemon=True).start()
+        self._verdict = threading.Event()
+        threading.Thread(target=self._pump, name="remote-stream", daemon=True).start()
 
-    def _open(self) -> Event:
-        """Send the request to a replica and return its verdict (an ``accepted`` event or the
-        refusal), trying another replica where the chosen one is gone."""
-        for attempt in range(1, ATTEMPTS + 1):
-            responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
-            self._responses = cast(DeploymentResponseGenerator, responses)
-            try:
-                return next(self._responses)
-            except GONE as exc:
-                log.warning(f"a replica was gone before answering (attempt {attempt} of {ATTEMPTS}): {exc}")
-                time.sleep(RETRY_S)
-        return Event("error", error=REPLICA_LOST)
+    @property
+    def refusal(self) -> str:
+        """Why the replica refused the request ("" if it did not), once it has said."""
+        self._verdict.wait(self.step_timeout)
+        return self._refused
+
+    @refusal.setter
+    def refusal(self, value: str) -> None:
+        self._refused = value
 
     def _pump(self) -> None:
-        """Move the replica's events into the stream until the last; a replica lost before the
-        first token is replaced, one lost later ends the answer with :data:`REPLICA_LOST`."""
+        try:
+            self._relay()
+        except Exception as exc:  # whatever failed, the stream ends with its last event
+            log.exception("a replica's stream failed")
+            self._end(Event("error", error=f"the server failed ({type(exc).__name__})", metrics=self._last))
+
+    def _relay(self) -> None:
+        """Send the request to a replica and move its events into the stream until the last; a
+        replica lost before the first token is replaced (the request sent again), one lost later
+        ends the answer with :data:`REPLICA_LOST`."""
         delivered = False
-        while self._responses is not None:
+        for attempt in range(1, ATTEMPTS + 1):
+            if self._cancel.is_set():
+                self._end(Event("done", metrics=self._last | {"finish_reason": "cancelled"}))
+                return
+            responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
+            self._responses = cast(DeploymentResponseGenerator, responses)
+            if self._cancel.is_set():  # (a cancel that came while it was being sent)
+                self._responses.cancel()
             try:
                 for event in self._responses:
                     self._last = event.metrics
+                    if event.kind == "accepted":
+                        self._verdict.set()
+                        continue
+                    if not self._verdict.is_set() and event.kind == "error":
+                        self.refusal = event.error
                     delivered = delivered or event.kind == "delta"
-                    self._events.put(event)
                     if event.final:
+                        self._end(event)
                         return
-                self._events.put(Event("error", error="the replica ended the answer early", metrics=self._last))
+                    self._events.put(event)
+                self._end(Event("error", error="the replica ended the answer early", metrics=self._last))
                 return
             except RequestCancelledError:
-                self._events.put(Event("done", metrics=self._last | {"finish_reason": "cancelled"}))
+                self._end(Event("done", metrics=self._last | {"finish_reason": "cancelled"}))
                 return
             except GONE as exc:
-                log.warning(f"the replica serving a request stopped: {exc}")
-                verdict = Event("error", error=REPLICA_LOST, metrics=self._last) if delivered else self._open()
-                if verdict.kind == "error":
-                    self._events.put(verdict)
-                    return
-            except Exception as exc:  # reported on this request only
-                log.exception("a replica's stream failed")
-                self._events.put(Event("error", error=f"the server failed ({type(exc).__name__})", metrics=self._last))
-                return
+                log.warning(f"the replica serving a request stopped (attempt {attempt} of {ATTEMPTS}): {exc}")
+                if delivered:
+                    break
+                time.sleep(RETRY_S)
+        self._end(Event("error", error=REPLICA_LOST, metrics=self._last))
+
+    def _end(self, event: Event) -> None:
+        self._events.put(event)
+        self._verdict.set()
 
     def cancel(self) -> None:
         super().cancel()
@@ -114,24 +135,34 @@ class RemoteStream(Stream):
 
 
 class RemoteEngine:
-    """The engine interface over the replicas. Creating it waits for one replica to be ready."""
+    """The engine interface over the replicas. Creating it waits for one replica to be ready;
+    ``close()`` stops its health probe."""
 
     def __init__(self, replicas: DeploymentHandle, step_timeout: float = STEP_TIMEOUT) -> None:
         self._replicas = replicas
         self.step_timeout = step_timeout
         self.described = replicas.describe.remote().result()
+        self.running = 1  # replicas running, as Ray last said
         self._seen_at = time.monotonic()
         self._streams: weakref.WeakSet[RemoteStream] = weakref.WeakSet()  # opened through this ingress
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         threading.Thread(target=self._probe, name="replica-probe", daemon=True).start()
 
     def _probe(self) -> None:
-        while True:
-            time.sleep(PROBE_S)
+        from ray import serve
+
+        while not self._closed.wait(PROBE_S):
             try:
                 self.described = self._replicas.describe.remote().result(timeout_s=HEALTHY_WITHIN_S)
                 self._seen_at = time.monotonic()
+                states = serve.status().applications[APP_NAME].deployments[ENGINE].replica_states
+                self.running = max(1, sum(n for state, n in states.items() if state == "RUNNING"))
             except Exception as exc:  # health says so
                 log.warning(f"no replica answered: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._closed.set()
 
     @property
     def healthy(self) -> bool:
@@ -155,18 +186,26 @@ class RemoteEngine:
 
     @property
     def pending(self) -> int:
-        """Requests open through this ingress, on every replica."""
-        return sum(not stream.ended for stream in self._streams)
+        """Requests open through this ingress per running replica: what each engine has to do
+        (so the API's queue limit holds per replica)."""
+        with self._lock:
+            open_ = sum(not stream.ended for stream in self._streams)
+        return math.ceil(open_ / self.running)
 
     waiting = 0  # requests wait in the replicas' queues, not here
     full = False
 
     def check(self, request: Request) -> list[int]:
-        if refusal := self._replicas.check.remote(request).result(timeout_s=self.step_timeout):
+        try:
+            refusal = self._replicas.check.remote(request).result(timeout_s=self.step_timeout)
+        except Exception as exc:  # a replica gone or too slow: said as such, not as a traceback
+            raise EngineError(f"no engine replica could check the request ({type(exc).__name__}); try again") from exc
+        if refusal:
             raise EngineError(refusal)
         return []
 
     def generate(self, request: Request) -> Stream:
-        stream = RemoteStream(self._replicas, request, self.step_timeout)
-        self._streams.add(stream)
+        stream = RemoteStream(self._replicas, request, self.step_timeout, lambda: self.healthy)
+        with self._lock:
+            self._streams.add(stream)
         return stream

@@ -19,17 +19,20 @@ from engine.core.service import Event, Request
 from engine.errors import EngineError
 from engine.startup import start_engine
 
-# Requests one replica takes at once (those beyond the engine's batch wait in its queue); the
+# Answers one replica takes at once (those beyond the engine's batch wait in its queue); the
 # router sends more to another replica.
 MAX_ONGOING = 16
+# Calls it takes at once: room beside a full load of answers for health probes and checks, so that
+# a busy replica still says how it is.
+MAX_CALLS = MAX_ONGOING + 4
 
 
 class EngineReplica:
     def __init__(self, args: argparse.Namespace, threads: int) -> None:
         self.engine = start_engine(args, threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        # A stream is read by a thread blocked on its next event: one thread per ongoing request.
-        self._readers = ThreadPoolExecutor(MAX_ONGOING, thread_name_prefix="stream-reader")
+        # A stream is read by a thread blocked on its next event: one thread per call at most.
+        self._readers = ThreadPoolExecutor(MAX_CALLS, thread_name_prefix="stream-reader")
 
     async def generate(self, request: Request, affinity: str | None = None) -> AsyncIterator[Event]:
         """The request's events, each tagged with this replica's id. ``affinity`` is the router's

@@ -5,9 +5,10 @@ ingress). A request's affinity key (:func:`engine.cluster.remote.affinity_key`, 
 every turn of a conversation) goes first to the replica that served it last; a key seen for the
 first time, or whose replica is gone, goes to the replica that rendezvous hashing picks among
 the live ones (so that two ingress processes agree without talking). The other replicas follow
-in hashing order: Ray takes the next where the first is full. Requests without a key go to the
-least loaded replica, Ray's default. Remembering where each key went keeps conversations where
-they are when a replica is added or replaced; hashing alone would move half of them.
+in hashing order: Ray takes the next where the first is full, and backs off between attempts
+when all are. Requests without a key go to whichever replica Ray finds least loaded.
+Remembering where each key went keeps conversations where they are when a replica is added or
+replaced; hashing alone would move half of them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import hashlib
 from collections import OrderedDict
 
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     ReplicaResult,
@@ -37,13 +37,18 @@ def affinity_of(request: PendingRequest | None) -> str | None:
     return request.kwargs.get(AFFINITY) if request is not None else None
 
 
-class AffinityRouter(FIFOMixin, RequestRouter):
+class AffinityRouter(RequestRouter):
+    """(Not FIFO: a replica chosen for one request must go to that request, not to the oldest
+    pending one, or a conversation would land on another's replica.)"""
+
     def initialize_state(self, **kwargs) -> None:
         self._homes: OrderedDict[str, str] = OrderedDict()  # key -> the replica that served it last
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # every candidate is ranked already
         key = affinity_of(pending_request)
         if key is None:
             return [candidate_replicas]  # Ray probes their queues and takes the least loaded

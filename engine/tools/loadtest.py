@@ -78,7 +78,7 @@ class Answer:
     @property
     def killed(self) -> bool:
         """Cut short because the replica writing it died."""
-        return self.error == REPLICA_LOST
+        return REPLICA_LOST in self.error  # (as the page shows it, after its "could not answer")
 
 
 def chat_metrics(output: Sequence) -> dict:

@@ -45,9 +45,9 @@ COLUMNS = [
 ]
 
 
-def killer(seconds: float, users: int, record: dict) -> Callable[[int], None]:
+def killer(seconds: float, users: int, record: dict, timers: list[threading.Timer]) -> Callable[[int], None]:
     """What starts as the phase of ``users`` starts: one replica killed ``seconds`` later (and
-    written into ``record``)."""
+    written into ``record``; the timer into ``timers``, to be cancelled if the phase ends first)."""
 
     def kill() -> None:
         live = local.replicas()
@@ -58,7 +58,8 @@ def killer(seconds: float, users: int, record: dict) -> Callable[[int], None]:
 
     def on_phase(phase_users: int) -> None:
         if seconds > 0 and phase_users == users:
-            threading.Timer(seconds, kill).start()
+            timers.append(threading.Timer(seconds, kill))
+            timers[-1].start()
 
     return on_phase
 
@@ -72,7 +73,12 @@ def measure(address: str, deployed: int, args: argparse.Namespace, app_args: lis
         argv += ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
         argv += ["--json", f"{out}/load.json", "--table", f"{out}/load.md", "--chart", f"{out}/load.png"]
         kill_after = args.kill_after if deployed > 1 else 0  # (killing the only replica is an outage)
-        loadtest.main(argv, on_phase=killer(kill_after, args.users, record))
+        timers: list[threading.Timer] = []
+        try:
+            loadtest.main(argv, on_phase=killer(kill_after, args.users, record, timers))
+        finally:
+            for timer in timers:
+                timer.cancel()
         rows = json.loads(Path(f"{out}/load.json").read_text())["rows"]
     for row in rows:
         per_replica = row["per_replica"].values()
