@@ -178,7 +178,7 @@ def deploy(args: argparse.Namespace, web: Callable[[Any], Any]) -> str:
 
 def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
     """``specchat serve --ray``: deploy, say where, serve until interrupted, then take the
-    application down (the cluster stays)."""
+    application down, and Serve with it if it serves nothing else (the cluster stays)."""
     from ray import serve
 
     url = deploy(args, web)
@@ -190,6 +190,8 @@ def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
     except KeyboardInterrupt:
         print("taking the application down", file=sys.stderr)
         serve.delete(APP_NAME)
+        if not serve.status().applications:  # (Serve keeps its port until it is shut down)
+            serve.shutdown()
     return 0
 
 

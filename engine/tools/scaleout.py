@@ -72,6 +72,7 @@ def measure(address: str, deployed: int, args: argparse.Namespace, app_args: lis
         argv = ["--url", url, "--users", "1", str(args.users), "--turns", str(args.turns)]
         argv += ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
         argv += ["--json", f"{out}/load.json", "--table", f"{out}/load.md", "--chart", f"{out}/load.png"]
+        local.wait_running(deployed)  # (the app answers as soon as one replica is up)
         kill_after = args.kill_after if deployed > 1 else 0  # (killing the only replica is an outage)
         timers: list[threading.Timer] = []
         try:
