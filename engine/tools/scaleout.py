@@ -29,19 +29,13 @@ from engine.tools import loadtest
 from engine.tools.chaos import app_server
 from engine.tools.report import Column, markdown_table, write_text
 
+SHARED = {c.key: c for c in loadtest.COLUMNS + loadtest.CLUSTER_COLUMNS}  # the load benchmark's own
 COLUMNS = [
     Column("replicas", "deployed"),
-    Column("users", "users"),
-    Column("answers", "answers"),
-    Column("aggregate tokens/s", "aggregate_tokens_per_s", "{:.1f}"),
+    *(SHARED[key] for key in ("users", "answers", "aggregate_tokens_per_s")),
     Column("per replica tokens/s", "replica_tokens_per_s"),
-    Column("per-user tokens/s p50", "user_tokens_per_s_p50", "{:.1f}"),
-    Column("TTFT p50 s", "ttft_p50_s", "{:.2f}"),
-    Column("TTFT p95 s", "ttft_p95_s", "{:.2f}"),
-    Column("affinity", "affinity", "{:.0%}"),
-    Column("cut by the kill", "killed"),
-    Column("errors", "errors"),
-    Column("differ from solo", "differ"),
+    *(SHARED[key] for key in ("user_tokens_per_s_p50", "ttft_p50_s", "ttft_p95_s", "affinity", "killed", "errors")),
+    SHARED["differ"],
 ]
 
 
