@@ -11,7 +11,7 @@ import app
 from engine.cli import free_port
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
-from engine.tools import loadtest
+from engine.tools import chaos, loadtest
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +41,10 @@ def test_concurrent_users_get_their_solo_answers_and_the_report_is_written(url, 
 
 def test_only_loopback_addresses_are_load_tested():
     assert loadtest.main(["--url", "http://192.0.2.1:7860/", "--users", "1", "--turns", "1"]) != 0
+
+
+def test_a_heartbeat_output_says_nothing():
+    """While the engine is busy the chat handler yields skips, which gradio_client hands over as
+    updates, not message lists: they hold no message (and no error)."""
+    assert chaos.said([{"__type__": "update"}, {"__type__": "update"}]) == []
+    assert chaos.last_text(["", [{"role": "user", "metadata": None, "content": "hi"}]]) == "hi"

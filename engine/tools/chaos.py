@@ -102,8 +102,11 @@ def message_text(message: dict) -> str:
 
 def said(output: list) -> list[dict]:
     """The chat messages in an output of the chat endpoint, without the answers' footers (the
-    collapsible lines of figures, which Gradio marks with a title)."""
-    return [m for m in output[1] if not (m.get("metadata") or {}).get("title")] if output and output[1] else []
+    collapsible lines of figures, which Gradio marks with a title); none in an output that
+    leaves the chat as it was (a handler's heartbeat while it waits: an update, not a list)."""
+    if not output or not isinstance(output[1], list):
+        return []
+    return [m for m in output[1] if not (m.get("metadata") or {}).get("title")]
 
 
 def last_text(output: list) -> str:
