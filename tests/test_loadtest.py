@@ -47,4 +47,6 @@ def test_a_heartbeat_output_says_nothing():
     """While the engine is busy the chat handler yields skips, which gradio_client hands over as
     updates, not message lists: they hold no message (and no error)."""
     assert chaos.said([{"__type__": "update"}, {"__type__": "update"}]) == []
-    assert chaos.last_text(["", [{"role": "user", "metadata": None, "content": "hi"}]]) == "hi"
+    assert (
+        chaos.last_text(["", [{"role": "user", "metadata": None, "content": [{"text": "hi", "type": "text"}]}]]) == "hi"
+    )
