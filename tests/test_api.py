@@ -98,7 +98,7 @@ def test_a_bad_field_gets_400_naming_it(client, field, value, said):
 def test_models_and_health_describe_the_pair(client, served):
     assert [m.id for m in client.models.list()] == ["tiny"]
     health = httpx.get(f"{served}health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "models": MODELS, "queue": 0}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": MODELS, "queue": 0, "replicas": 1}
 
 
 def test_an_unhealthy_engine_answers_503(client, served, monkeypatch):

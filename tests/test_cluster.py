@@ -184,7 +184,7 @@ def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
         while len(local.replicas()) < 2 and time.monotonic() < deadline:
             time.sleep(1)
         assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
-        assert engine.healthy and engine.pending == 0
+        assert engine.healthy and engine.pending == 0 and engine.replicas == 2
         refused = engine.generate(Request(opening, mode="no-such-mode"))
         assert "mode" in refused.refusal and last(refused).kind == "error"  # said by a replica, before any work
         engine.close()

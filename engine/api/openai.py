@@ -114,7 +114,7 @@ def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any]
 
     @router.get("/health")
     def health() -> JSONResponse:
-        body = {"status": engine.state, "models": models, "queue": engine.pending}
+        body = {"status": engine.state, "models": models, "queue": engine.pending, "replicas": engine.replicas}
         return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @router.get("/v1/models")

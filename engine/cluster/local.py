@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,20 +65,6 @@ def replicas(app: str = APP_NAME, deployment: str = ENGINE) -> list[str]:
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     named = ray.util.list_named_actors(all_namespaces=True)
     return sorted(a["name"].removeprefix(prefix) for a in named if a["name"].startswith(prefix))
-
-
-def wait_running(count: int, timeout_s: float = 900, app: str = APP_NAME, deployment: str = ENGINE) -> None:
-    """Wait until ``count`` replicas of the deployment run (the app answers as soon as one does)."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        application = serve.status().applications.get(app)
-        states = application.deployments[deployment].replica_states if application else {}
-        if sum(n for state, n in states.items() if state == "RUNNING") >= count:
-            return
-        time.sleep(1)
-    raise TimeoutError(f"{count} replicas of {app}/{deployment} were not running within {timeout_s:g} s")
 
 
 def kill_replica(replica: str, app: str = APP_NAME, deployment: str = ENGINE) -> None:

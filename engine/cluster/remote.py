@@ -142,7 +142,7 @@ class RemoteEngine:
         self._replicas = replicas
         self.step_timeout = step_timeout
         self.described = replicas.describe.remote().result()
-        self.running = 1  # replicas running, as Ray last said
+        self.replicas = 1  # replicas running, as Ray last said
         self._seen_at = time.monotonic()
         self._streams: weakref.WeakSet[RemoteStream] = weakref.WeakSet()  # opened through this ingress
         self._lock = threading.Lock()
@@ -157,7 +157,7 @@ class RemoteEngine:
                 self.described = self._replicas.describe.remote().result(timeout_s=HEALTHY_WITHIN_S)
                 self._seen_at = time.monotonic()
                 states = serve.status().applications[APP_NAME].deployments[ENGINE].replica_states
-                self.running = max(1, sum(n for state, n in states.items() if state == "RUNNING"))
+                self.replicas = max(1, sum(n for state, n in states.items() if state == "RUNNING"))
             except Exception as exc:  # health says so
                 log.warning(f"no replica answered: {type(exc).__name__}: {exc}")
 
@@ -190,7 +190,7 @@ class RemoteEngine:
         (so the API's queue limit holds per replica)."""
         with self._lock:
             open_ = sum(not stream.ended for stream in self._streams)
-        return math.ceil(open_ / self.running)
+        return math.ceil(open_ / self.replicas)
 
     waiting = 0  # requests wait in the replicas' queues, not here
     full = False

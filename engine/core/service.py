@@ -346,6 +346,11 @@ class Engine:
         return {"target": self.target.label} | ({"draft": self.draft.label} if self.draft else {})
 
     @property
+    def replicas(self) -> int:
+        """Engines serving (one; a cluster's remote engine says how many run)."""
+        return 1
+
+    @property
     def state(self) -> str:
         """One word for ``/health``."""
         return "ok" if self.healthy else "unhealthy"
@@ -655,6 +660,10 @@ class Loading:
     @property
     def full(self) -> bool:
         return self.engine is not None and self.engine.full
+
+    @property
+    def replicas(self) -> int:
+        return self.engine.replicas if self.engine is not None else 0
 
     @property
     def modes(self) -> tuple[str, ...]:

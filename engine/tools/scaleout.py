@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.cluster import local
 from engine.errors import EngineError
@@ -58,6 +60,15 @@ def killer(seconds: float, users: int, record: dict, timers: list[threading.Time
     return on_phase
 
 
+def wait_for_replicas(url: str, count: int, timeout_s: float = 900) -> None:
+    """Wait until the app's /health says ``count`` engine replicas run."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}health", timeout=10).json().get("replicas", 0) < count:
+        if time.monotonic() > deadline:
+            raise EngineError(f"{count} replicas were not running within {timeout_s:g} s")
+        time.sleep(2)
+
+
 def measure(address: str, deployed: int, args: argparse.Namespace, app_args: list[str]) -> list[dict]:
     """The load benchmark's rows against the app with ``deployed`` replicas on the cluster."""
     record: dict = {}
@@ -66,7 +77,7 @@ def measure(address: str, deployed: int, args: argparse.Namespace, app_args: lis
         argv = ["--url", url, "--users", "1", str(args.users), "--turns", str(args.turns)]
         argv += ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
         argv += ["--json", f"{out}/load.json", "--table", f"{out}/load.md", "--chart", f"{out}/load.png"]
-        local.wait_running(deployed)  # (the app answers as soon as one replica is up)
+        wait_for_replicas(url, deployed)  # (the app answers as soon as one replica is up)
         kill_after = args.kill_after if deployed > 1 else 0  # (killing the only replica is an outage)
         timers: list[threading.Timer] = []
         try:
