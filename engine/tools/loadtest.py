@@ -151,7 +151,8 @@ def spread(answers: list[Answer], seconds: float) -> dict[str, dict]:
 
 def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tuple[int, int], str]) -> dict:
     """One row of the table (``solo``: the lone runs' answers, by user and turn). Answers after a
-    failed turn are not compared: their conversation is no longer the solo run's."""
+    failed turn are not compared (lost, mixed or different): their conversation is no longer the
+    solo run's, and may well get another turn's solo answer."""
     served = [a for a in answers if not a.error]
     others = {text for (u, _), text in solo.items()}
     expected = [solo.get((a.user, a.turn)) if a.comparable else None for a in served]
@@ -173,7 +174,7 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
         "affinity": affinity(answers) if replicas else None,
         "per_replica": replicas,
         "lost": sum(not a.text for a in served),
-        "mixed": sum(bool(a.text) and a.text != e and a.text in others for a, e in zip(served, expected)),
+        "mixed": sum(e is not None and a.text != e and a.text in others for a, e in zip(served, expected)),
         "differ": sum(e is not None and a.text != e for a, e in zip(served, expected)),
         "failures": [f"user {a.user} turn {a.turn}: {a.error}" for a in answers if a.error],
         "per_answer": [
