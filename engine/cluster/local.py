@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 from engine.cli import free_port
 from engine.cluster import APP_NAME, ENGINE
@@ -21,11 +22,15 @@ from engine.cluster.deploy import ROOT, connect
 
 LOOPBACK = "127.0.0.1"
 RAY = str(Path(sys.executable).with_name("ray"))
+# A throwaway cluster on loopback runs without Ray's token authentication: Ray 2.60 turns it on
+# for any process that finds a token in ~/.ray/auth_token, and a node or driver started without
+# it is then refused. Every process of the cluster (nodes, the app, drivers) must agree.
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
 def ray(*args: str, timeout: float = 180) -> None:
     """Run ``ray ARGS`` with this checkout importable by the node's workers; a failure says why."""
-    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"} | NO_AUTH
     done = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"ray {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
@@ -47,7 +52,7 @@ def two_nodes(cpus: float = 1) -> Iterator[str]:
     """Start a head and a second node on this machine; yield the head's address; stop both."""
     port = free_port()
     address = f"{LOOPBACK}:{port}"
-    with tempfile.TemporaryDirectory(prefix="ray-") as temp:
+    with tempfile.TemporaryDirectory(prefix="ray-") as temp, mock.patch.dict(os.environ, NO_AUTH):
         try:
             head = ["--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false"]
             ray("start", *head, *node_flags(cpus))
