@@ -167,12 +167,13 @@ WARPED = SamplingParams(temperature=0.7, top_p=0.9)
     [(kind, SamplingParams(1.0), False) for kind in ("model", "small-head", "hybrid", "hybrid-span")]
     + [("model", WARPED, False), ("hybrid", WARPED, False), ("hybrid", SamplingParams(1.0), True)],
 )
-def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, paced):
+def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, paced, monkeypatch):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
     so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
-    Paced, the round after that is a plain step (the pacer measures both kinds)."""
+    Paced (with no plain lead), the round after that is a plain step (the pacer measures both kinds)."""
+    monkeypatch.setattr(Pacer, "lead", 0)
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
@@ -390,30 +391,43 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_tar
     assert stats.target_passes == 1 + 40 // 5  # the prompt, then K + 1 = 5 tokens per pass
 
 
-def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and_less():
-    pacer = Pacer()
+def paced_kinds(pacer: Pacer, rounds: int, cost, confidence=lambda i: 0.9) -> list[bool]:
+    """Which kind each of ``rounds`` rounds runs: ``cost(speculative)`` gives (seconds, tokens),
+    ``confidence(i)`` the target's top probability at round i's plain step."""
     kinds = []
-    for _ in range(200):
+    for i in range(rounds):
         speculative = pacer.speculate()
         kinds.append(speculative)
-        pacer.record(speculative, 0.3 if speculative else 0.1, 1)  # speculation three times dearer
-    assert kinds[:2] == [True, False]
+        if not speculative:
+            pacer.observe(confidence(i))
+        pacer.record(speculative, *cost(speculative))
+    return kinds
+
+
+def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and_less():
+    kinds = paced_kinds(Pacer(), 200, lambda spec: (0.3 if spec else 0.1, 1))  # speculation three times dearer
+    assert kinds[:4] == [False] * Pacer.lead + [True, False]  # plain steps measure the target's confidence first
     plain_between_probes = np.diff([i for i, k in enumerate(kinds) if k]) - 1
-    assert list(plain_between_probes[:4]) == [9, 16, 32, 64] and set(plain_between_probes[4:]) == {64}
+    assert list(plain_between_probes[:4]) == [8, 16, 32, 64] and set(plain_between_probes[4:]) == {64}
 
 
 def test_the_pacer_comes_back_to_speculation_when_it_pays_again():
     pacer = Pacer()
-    for _ in range(40):  # plain is cheaper for a while: the probe interval grows
-        speculative = pacer.speculate()
-        pacer.record(speculative, 0.3 if speculative else 0.1, 1)
+    paced_kinds(pacer, 40, lambda spec: (0.3 if spec else 0.1, 1))  # plain is cheaper for a while
     assert pacer.interval > pacer.min_interval
-    kinds = []
-    for _ in range(80):  # then drafts start to land (code after prose): speculation is cheaper
-        speculative = pacer.speculate()
-        kinds.append(speculative)
-        pacer.record(speculative, 0.2 if speculative else 0.1, 4 if speculative else 1)
+    # Then drafts start to land (code after prose): speculation is cheaper.
+    kinds = paced_kinds(pacer, 80, lambda spec: (0.2 if spec else 0.1, 4 if spec else 1))
     assert kinds.index(True) <= 32 and sum(kinds[-40:]) >= 36  # back at the first probe, then mostly speculative
+
+
+def test_the_pacer_tries_speculation_only_where_the_target_looks_predictable(monkeypatch):
+    """Prose the target is unsure of: no speculative round at all (no draft catch-up either);
+    once it grows sure (code after prose), speculation is tried at the next chance."""
+    monkeypatch.setattr(Pacer, "floor", 0.75)
+    unsure = paced_kinds(Pacer(), 100, lambda spec: (0.1, 1), confidence=lambda i: 0.6)
+    assert not any(unsure)
+    kinds = paced_kinds(Pacer(), 60, lambda spec: (0.05 if spec else 0.1, 1), lambda i: 0.5 if i < 30 else 0.95)
+    assert not any(kinds[:30]) and kinds.index(True) <= 34 and all(kinds[34:41])
 
 
 def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pair, tok, monkeypatch):
@@ -425,7 +439,19 @@ def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pai
     slowed(monkeypatch, drafter.runtime, 0.02)  # a draft this slow never pays
     tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, paced=True)
     assert tokens == expected
-    assert stats.plain_rounds >= 30 and stats.rounds - stats.plain_rounds <= 5  # the first round, 1 + probes
+    assert stats.plain_rounds >= 30 and stats.rounds - stats.plain_rounds <= 5  # the prompt's step, 1 + probes
+
+
+def test_paced_decoding_on_an_unsure_target_never_drafts(pair, tok, monkeypatch):
+    """A tiny random target is never sure of its next token: with the real floor the pacer never
+    tries speculation, the draft never reads the prompt, and the answer is the same."""
+    monkeypatch.setattr(Pacer, "floor", 0.75)
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[3])
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=30)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=30, paced=True)
+    assert tokens == expected
+    assert stats.drafted == 0 and stats.draft_seconds == 0 and not drafter.runtime.tokens
 
 
 def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, tok):

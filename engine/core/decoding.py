@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import ClassVar
 
 import numpy as np
 
 from engine.core.drafters import Drafter
 from engine.core.metrics import Stats
 from engine.core.runtime import Runtime, common_prefix
-from engine.core.sampling import SamplingParams, logits_to_probs, next_token
+from engine.core.sampling import SamplingParams, logits_to_probs, next_token, top_probability
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
 
@@ -58,25 +59,49 @@ class Pacer:
     (acceptance changes along it, costs grow with the context); a probe's measurement replaces
     its kind's stale figure. A probe that confirms the order doubles the interval (up to
     ``max_interval``: a probe of the slower kind costs time), one that reverses it resets it.
-    Speculation is measured first, then one plain step. Which kind runs changes the passes only:
-    every round's tokens follow the target's rule, so greedy output is the same and sampled
-    output keeps its distribution.
+
+    Trying speculation costs a round that may not pay and, the first time, the draft's catch-up
+    over the whole conversation; so speculation is tried (and probed) only where the target looks
+    predictable. The draft model agrees with the target's greedy token about as often as the
+    target's own top probability says (per prompt, 24 prompts: docs/design.md, "Speculating only
+    while it pays"), so the pacer keeps an average of that probability over the plain steps and
+    tries speculation only while it is at least ``floor``; a request starts with ``lead`` plain
+    steps to measure it. Which kind runs changes the passes only: every round's tokens follow the
+    target's rule, so greedy output is the same and sampled output keeps its distribution.
     """
 
+    lead: ClassVar[int] = 2
+    floor: ClassVar[float] = 0.75
     min_interval: int = 8
     max_interval: int = 64
     weight: float = 0.3
     cost: dict[bool, float] = field(default_factory=dict)  # seconds per token; True: speculative
     streak: int = 0  # rounds of the cheaper kind since the last probe
     interval: int = 8
+    confidence: float = 0.0  # average top probability of the target at plain steps
+    observed: int = 0  # plain steps behind it
 
     def _cheaper(self) -> bool:
         return self.cost[True] <= self.cost[False]
 
+    def _promising(self) -> bool:
+        return self.observed >= self.lead and self.confidence >= self.floor
+
+    def observe(self, top_probability: float) -> None:
+        """The target's top probability at a plain step."""
+        first = not self.observed
+        self.confidence += (1.0 if first else self.weight) * (top_probability - self.confidence)
+        self.observed += 1
+
     def speculate(self) -> bool:
+        if True not in self.cost:  # not tried yet
+            return self._promising()
         if len(self.cost) < 2:
-            return True not in self.cost
-        return self._cheaper() if self.streak < self.interval else not self._cheaper()
+            return False
+        if self.streak < self.interval:
+            return self._cheaper()
+        # Time for a probe of the other kind; one of speculation waits until it looks promising.
+        return not self._cheaper() and self._promising()
 
     def record(self, speculative: bool, seconds: float, tokens: int) -> None:
         per_token = seconds / max(tokens, 1)
@@ -121,6 +146,7 @@ class Decoder:
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False
+        self._caught_up = False  # the draft has read the conversation (before its first speculative round)
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
 
@@ -146,10 +172,16 @@ class Decoder:
             self.done = True
         return left - 1
 
+    def _speculates(self, limit: int) -> bool:
+        """Whether the next round drafts (``limit``: drafted tokens that fit)."""
+        paced = self.pacer is None or self.pacer.speculate()
+        return self.speculative and self.stats.rounds > 0 and limit > 0 and paced
+
     def catch_up(self) -> Iterator[None]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
-        if not (self.speculative and self.drafter is not None and self.stats.rounds == 1):
+        if self.drafter is None or self._caught_up or not self._speculates(self.room()):
             return
+        self._caught_up = True
         start = time.perf_counter()
         yield from self.drafter.catch_up(self.context, PREFILL_CHUNK)
         self.stats.draft_seconds += time.perf_counter() - start
@@ -161,7 +193,7 @@ class Decoder:
         is exact")."""
         limit = self.room()
         pacer, drafter = self.pacer, self.drafter
-        spec = self.speculative and self.stats.rounds > 0 and limit > 0 and (pacer is None or pacer.speculate())
+        spec = self._speculates(limit)
         start = time.perf_counter()
         if drafter is not None and spec:
             round_ = _speculative_round(
@@ -189,6 +221,8 @@ class Decoder:
         return self._accept(self._plain(logits))
 
     def _plain(self, logits: np.ndarray) -> Round:
+        if self.pacer is not None:
+            self.pacer.observe(top_probability(logits))
         return Round([next_token(logits, self.config.sampling, self.rng)], [Provenance.AUTOREGRESSIVE])
 
     def _accept(self, round_: Round) -> Round:

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.core.runtime import Runtime, common_prefix
-from engine.core.sampling import SamplingParams, logits_to_probs, sample
+from engine.core.sampling import SamplingParams, logits_to_probs, sample, top_probability
 
 # A windowed draft keeps this many tokens from the start of the conversation: the chat
 # template's header and the system prompt's first words, which say what kind of text follows.
@@ -157,7 +157,7 @@ class ModelDrafter:
                 if self.guesser is not None:  # the last two tokens before it, without copying the context
                     self.guesser.learn([*context[-2:], *tokens][-2:], token)
                 tokens.append(token)
-                done = self.p_min > 0 and _confidence(logits) < self.p_min
+                done = self.p_min > 0 and top_probability(logits) < self.p_min
                 if done or len(tokens) >= budget or token != guess:
                     break
         return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
@@ -189,12 +189,6 @@ class ModelDrafter:
     @property
     def kv_cache_bytes(self) -> int:
         return self.runtime.kv_cache_bytes
-
-
-def _confidence(logits: np.ndarray) -> float:
-    """The draft's top probability at temperature 1."""
-    z = logits - logits.max()
-    return float(1.0 / np.exp(z).sum())
 
 
 class LookupDrafter:

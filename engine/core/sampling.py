@@ -23,6 +23,12 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def top_probability(logits: np.ndarray) -> float:
+    """The largest probability of a row of logits at temperature 1 (how sure the model is)."""
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z).sum())
+
+
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Rows of logits [..., V] -> rows of probabilities after temperature, top-k and top-p."""
     logits = np.asarray(logits, dtype=np.float64)

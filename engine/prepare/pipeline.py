@@ -26,6 +26,9 @@ from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, exp
 from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
+# The target's weights under --quality: top-1 agreement with fp16 0.997 against int4's 0.939
+# (docs/benchmarks.md, "What each precision costs").
+QUALITY_PRECISION = "int8"
 # A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
 PERSISTENT_STORAGE = Path("/data")
 
@@ -279,6 +282,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
             choices=PRECISIONS,
             help=f"weights of the {role} (default: ${variable} or int4)",
         )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        default=os.environ.get("SPECCHAT_QUALITY") == "1",
+        help="the quality preset: an int8 target (sets --target-precision int8), speculation making up the speed "
+        "(docs/benchmarks.md, 'The quality preset'; default: $SPECCHAT_QUALITY=1)",
+    )
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
     parser.add_argument(
@@ -321,7 +331,7 @@ def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, Prepared
     return prepare_pair(
         args.target,
         args.draft,
-        compression_from_args(args, "target", args.target_precision),
+        compression_from_args(args, "target", QUALITY_PRECISION if args.quality else args.target_precision),
         compression_from_args(args, "draft", args.draft_precision),
         cache_dir,
     )

@@ -9,7 +9,8 @@ Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model
 default: the fastest exact configuration), ``genai-ar`` / ``genai-sd``
 (openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``),
 ``llamacpp`` / ``llamacpp-sd`` (llama.cpp's server on the same GGUF files, without / with
-the draft; built once by ``python -m engine.tools.llamacpp``).
+the draft at each K), ``llamacpp-best`` (its fastest speculative configuration on this
+machine, ``llamacpp.BEST``; built once by ``python -m engine.tools.llamacpp``).
 Modes that draft run once per K, except ``pld`` (it copies up to its own span) and
 ``best`` (it picks its own K). Every run starts with empty KV caches and greedy decoding.
 """
@@ -38,11 +39,11 @@ from engine.tools import llamacpp, report
 from engine.tools.report import Column, markdown_table, speedup, write_text
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
-PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd")
+PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best")
 # Peers run once per --k when they draft.
 PEERS_PER_K = {"genai-sd", "llamacpp-sd"}
 # llama.cpp runs the GGUF's own quantized weights, not the IR's: its tokens are not compared to ar.
-OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd"}
+OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd", "llamacpp-best"}
 COLUMNS = [
     report.MODE,
     report.TOKENS_PER_S,
@@ -147,8 +148,10 @@ def start_peer(
         return GenaiPeer(target_ir, draft_ir if speculative else None, stop_ids)
     cache_dir = cache_dir_from_args(args)
     model = llamacpp.gguf_file(args.target, cache_dir)
-    draft = llamacpp.gguf_file(args.draft, cache_dir) if speculative else None
-    peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), model, draft)
+    spec = llamacpp.BEST if mode == "llamacpp-best" else llamacpp.PLAIN
+    draft = llamacpp.gguf_file(args.draft, cache_dir) if speculative or spec.draft else None
+    context = max(llamacpp.CONTEXT, args.history + 2 * args.max_new_tokens + 1024)  # history, prompt, answer
+    peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), model, draft, flags=spec.flags, context=context)
     stack.callback(peer.close)
     return peer
 
@@ -264,16 +267,12 @@ def run_bench(
                 if mode in BY_SHORT_NAME:
                     run = own_run(engine, prompt_id, prompt_ids, BY_SHORT_NAME[mode].name, k, n, label)
                 else:
-                    tokens, wall, ttft = peers[mode].run(prompt_ids, n, k if per_k(mode) else None)
-                    run = Run(
-                        prompt_id,
-                        label,
-                        tokens,
-                        engine.text(tokens),
-                        wall,
-                        ttft,
-                        len(tokens),
-                    )
+                    peer = peers[mode]
+                    tokens, wall, ttft = peer.run(prompt_ids, n, k if per_k(mode) else None)
+                    run = Run(prompt_id, label, tokens, engine.text(tokens), wall, ttft, len(tokens))
+                    if isinstance(peer, llamacpp.LlamaCppPeer):  # what its server reports of its drafts
+                        run.drafted = int(peer.timings.get("draft_n", 0))
+                        run.accepted = int(peer.timings.get("draft_n_accepted", 0))
                 if mode == "ar":
                     ar = run
                 elif ar is not None and mode not in OTHER_WEIGHTS:

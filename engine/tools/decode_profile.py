@@ -1,0 +1,196 @@
+"""Where a plain decode step's time goes, ours against llama.cpp's, against the memory bandwidth.
+
+    python -m engine.tools.decode_profile [--steps 64] [--json OUT] [--table OUT]
+
+A decode step on a memory-bound CPU reads every weight once, so its floor is the weight bytes
+over the machine's read bandwidth. For our target (a raw ``Runtime`` with the engine's
+settings) and for plain llama.cpp on the GGUF it was made from, both on every core, this
+prints the time per token after a chat prompt, the weight bytes a step reads (every weight but
+the embedding table, of which a step gathers one row), the bandwidth that makes and its share
+of the machine's: numpy sums over 1 GiB on as many threads as cores. Our step is then taken
+apart with the plugin's per-node counters (``PERF_COUNT``), summed by node type; what the
+counters do not cover is the time outside the graph (the Python loop, the plugin's per-call
+work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from engine.cli import CODING_PROMPTS
+from engine.core import chat, graph
+from engine.core.runtime import TARGET_CONFIG, Runtime
+from engine.errors import EngineError
+from engine.hf import auto_tokenizer
+from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
+from engine.tools import llamacpp
+from engine.tools.bench import load_prompts
+from engine.tools.report import Column, markdown_table, write_text
+
+GIB = 1 << 30
+COLUMNS = [
+    Column("engine", "engine"),
+    Column("ms per token", "ms_per_token", "{:.1f}"),
+    Column("tokens/s", "tokens_per_s", "{:.1f}"),
+    Column("weight MB per token", "weight_mb", "{:.0f}"),
+    Column("GB/s achieved", "gb_per_s", "{:.1f}"),
+    Column("share of the machine's read bandwidth", "bandwidth_share", "{:.0%}"),
+]
+PROFILE_COLUMNS = [
+    Column("node type", "node_type"),
+    Column("ms per step", "ms", "{:.2f}"),
+    Column("share", "share", "{:.0%}"),
+]
+
+
+def read_bandwidth(threads: int, size: int = GIB, repeats: int = 5) -> float:
+    """Bytes per second read by ``threads`` numpy sums over ``size`` bytes (best of ``repeats``)."""
+    parts = [np.ones(size // 4 // threads, dtype=np.float32) for _ in range(threads)]
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]  # numpy sums without the GIL
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return sum(p.nbytes for p in parts) / best
+
+
+def _constants_under(node: ov.Node) -> set[ov.Node]:
+    found, pending = set(), [node]
+    while pending:
+        for port in pending.pop().inputs():
+            source = port.get_source_output().get_node()
+            if source.get_type_name() == "Constant":
+                found.add(source)
+            else:
+                pending.append(source)
+    return found
+
+
+def ir_weight_bytes(ir_dir: Path) -> int:
+    """Bytes of the IR's constants a decode step reads: all but the embedding table's (unless
+    the vocabulary projection shares it)."""
+    model = ov.Core().read_model(ir_dir / "openvino_model.xml")
+    constants = [op for op in model.get_ops() if op.get_type_name() == "Constant"]
+    ids = next(p for p in model.get_parameters() if p.get_friendly_name() == "input_ids")
+    gathers = [op for op in model.get_ops() if op.get_type_name() == "Gather" and ids in _ancestors(op.input_value(1))]
+    embedding = set().union(*(_constants_under(g.input_value(0).get_node()) for g in gathers))
+    embedding -= _constants_under(graph.lm_head(model))
+    return sum(c.get_byte_size() for c in constants if c not in embedding)
+
+
+def _ancestors(output: ov.Output, depth: int = 4) -> set[ov.Node]:
+    node, seen = output.get_node(), set()
+    for _ in range(depth):
+        seen.add(node)
+        if not node.inputs():
+            break
+        node = node.input_value(0).get_node()
+    return seen
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors a decode step reads: all but the embedding table, which
+    llama.cpp reads whole only when it doubles as the output projection."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    return sum(tensors.values()) - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
+
+
+def timed_steps(runtime: Runtime, prompt: list[int], steps: int, after_step=lambda: None) -> list[float]:
+    """Seconds of each of ``steps`` greedy single-token steps after ``prompt``."""
+    runtime.warm_up()
+    logits = runtime.forward(prompt)[-1]
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = runtime.forward([int(logits.argmax())])[-1]
+        seconds.append(time.perf_counter() - start)
+        after_step()
+    return seconds
+
+
+def node_profile(target: Path, prompt: list[int], steps: int) -> list[dict]:
+    """Our step's time by node type (the plugin's counters), and the rest outside the graph."""
+    runtime = Runtime(target, config={**TARGET_CONFIG, "PERF_COUNT": True}, first_token_alone=True)
+    by_type: dict[str, float] = defaultdict(float)
+
+    def tally() -> None:
+        for info in runtime.request.profiling_info:
+            by_type[info.node_type] += info.real_time.total_seconds()
+
+    wall = sum(timed_steps(runtime, prompt, steps, tally))
+    by_type["outside the graph"] = wall - sum(by_type.values())
+    rows = [{"node_type": k, "ms": 1000 * v / steps, "share": v / wall} for k, v in by_type.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.decode_profile", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--steps", type=int, default=64, help="decode steps measured")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--table", type=Path, default=None)
+    args = parser.parse_args(argv)
+    threads = os.cpu_count() or 1
+    try:
+        target, _ = prepare_from_args(args)
+        question = load_prompts(CODING_PROMPTS)[0][1]
+        prompt = chat.prompt_ids(auto_tokenizer(target.path), [{"role": "user", "content": question}])
+        limit = read_bandwidth(threads)
+        ours = timed_steps(Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True), prompt, args.steps)
+        cache_dir = cache_dir_from_args(args)
+        gguf = llamacpp.gguf_file(args.target, cache_dir)
+        peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), gguf, threads=threads)
+        try:
+            peer.run(prompt, args.steps, None)  # its warm-up
+            peer.run(prompt, args.steps, None)
+            theirs = peer.timings["predicted_per_token_ms"] / 1000
+        finally:
+            peer.close()
+        profile = node_profile(target.path, prompt, args.steps)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for name, seconds, weights in (
+        ("ours (OpenVINO, int4 IR)", statistics.median(ours), ir_weight_bytes(target.path)),
+        ("llama.cpp (Q4_K_M GGUF)", theirs, gguf_weight_bytes(gguf)),
+    ):
+        rows.append(
+            {
+                "engine": name,
+                "ms_per_token": 1000 * seconds,
+                "tokens_per_s": 1 / seconds,
+                "weight_mb": weights / 1e6,
+                "gb_per_s": weights / seconds / 1e9,
+                "bandwidth_share": weights / seconds / limit,
+            }
+        )
+    text = (
+        f"Read bandwidth: {limit / 1e9:.1f} GB/s ({threads} threads)\n\n{markdown_table(rows, COLUMNS)}\n\n"
+        f"Our step by node type ({args.steps} steps):\n\n{markdown_table(profile, PROFILE_COLUMNS)}"
+    )
+    print(text)
+    write_text(args.table, text + "\n")
+    write_text(args.json, json.dumps({"bandwidth": limit, "rows": rows, "profile": profile}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The quality preset against the default, one run: an int8 target with `best` (``--quality``)
+against the int4 target's autoregressive decode and `best`.
+
+    python -m engine.tools.quality --prompts assets/prompts/coding.jsonl [--limit N] [--json OUT] [--table OUT]
+
+Both targets and the one draft are loaded once; the four configurations take turns per prompt,
+greedy, every run on empty caches. Speedups are against the int4 target's autoregressive
+decode; "identical to ar" compares each `best` with the autoregressive decode of its own target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.cli import run_cli
+from engine.core.modes import BY_SHORT_NAME
+from engine.core.service import Engine, Request
+from engine.prepare.pipeline import QUALITY_PRECISION, add_model_arguments, prepare_from_args
+from engine.tools.bench import COLUMNS, Run, add_prompt_arguments, compare_to_ar, load_prompts, own_run, summarize
+from engine.tools.report import markdown_table, write_text
+
+K = 4
+
+
+def run_quality(args: argparse.Namespace) -> None:
+    engines = {}
+    for prefix, quality in (("", False), (f"{QUALITY_PRECISION} ", True)):
+        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "quality": quality}))
+        engines[prefix] = Engine(target.path, draft.path)
+    runs: list[Run] = []
+    for prompt_id, prompt in load_prompts(args.prompts)[: args.limit]:
+        for prefix, engine in engines.items():
+            prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
+            ar, best = (
+                own_run(engine, prompt_id, prompt_ids, BY_SHORT_NAME[m].name, K, args.max_new_tokens, prefix + m)
+                for m in ("ar", "best")
+            )
+            compare_to_ar(engine, prompt_ids, ar, best)
+            runs += [ar, best]
+            speeds = ", ".join(f"{r.mode} {r.new_tokens / r.wall_s:.1f}" for r in (ar, best))
+            print(f"  {prompt_id:>12} {speeds} tokens/s", file=sys.stderr)
+    rows = summarize(runs)
+    text = markdown_table(rows, COLUMNS)
+    print(text)
+    write_text(args.table, text + "\n")
+    write_text(args.json, json.dumps({"summary": rows, "runs": [r.__dict__ for r in runs]}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.quality", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    add_prompt_arguments(parser)
+    parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
+    parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    return run_cli(lambda: run_quality(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
