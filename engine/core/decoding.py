@@ -201,6 +201,8 @@ class Decoder:
             )
         else:
             logits = _target_logits(self.target, self.context, 1, self.stats)
+            if pacer is not None:  # (not in a batch's rows: a softmax each would cost ~2% of a batched step)
+                pacer.observe(top_probability(logits[-1]))
             round_ = self._plain(logits[-1])
         round_ = self._accept(round_)
         # Roll both caches back to the accepted prefix (rejected drafts leave no trace).
@@ -221,8 +223,6 @@ class Decoder:
         return self._accept(self._plain(logits))
 
     def _plain(self, logits: np.ndarray) -> Round:
-        if self.pacer is not None:
-            self.pacer.observe(top_probability(logits))
         return Round([next_token(logits, self.config.sampling, self.rng)], [Provenance.AUTOREGRESSIVE])
 
     def _accept(self, round_: Round) -> Round:

@@ -85,7 +85,7 @@ SWEEP = (
     _drafting("draft n_max 5 + ngram-simple", "--spec-draft-n-max", "5", types="draft-simple,ngram-simple"),
 )
 BY_NAME = {s.name: s for s in SWEEP}
-BEST = BY_NAME["draft n_max 5"]  # chosen by the sweep of 2026-11-23 (docs/benchmarks.md, "llama.cpp at its best")
+BEST = BY_NAME["ngram-mod"]  # the fastest in the sweep of 2026-11-23 (docs/benchmarks.md, "llama.cpp at its best")
 
 
 def server_binary(cache_dir: Path) -> Path:
