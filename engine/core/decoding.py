@@ -54,11 +54,12 @@ class Pacer:
     """Whether a request's next round speculates: only while speculation pays, as measured.
 
     Keeps the seconds per new token of the request's speculative rounds and of its plain target
-    steps (exponential averages; a round's time includes its rollback), and runs the cheaper
-    kind. The other kind runs once after ``interval`` rounds, so both figures follow the answer
-    (acceptance changes along it, costs grow with the context); a probe's measurement replaces
-    its kind's stale figure. A probe that confirms the order doubles the interval (up to
-    ``max_interval``: a probe of the slower kind costs time), one that reverses it resets it.
+    steps (exponential averages of seconds and of tokens per round; a round's time includes its
+    rollback), and runs the cheaper kind. The other kind runs once after ``interval`` rounds, so
+    both figures follow the answer (acceptance changes along it, costs grow with the context); a
+    probe weighs half against its kind's stale figure. A probe that confirms the order doubles the
+    interval (up to ``max_interval``: a probe of the slower kind costs time), one that reverses it
+    resets it.
 
     Trying speculation costs a round that may not pay and, the first time, the draft's catch-up
     over the whole conversation; so speculation is tried (and probed) only where the target looks
@@ -75,14 +76,20 @@ class Pacer:
     min_interval: int = 8
     max_interval: int = 64
     weight: float = 0.3
-    cost: dict[bool, float] = field(default_factory=dict)  # seconds per token; True: speculative
+    seconds: dict[bool, float] = field(default_factory=dict)  # average seconds per round; True: speculative
+    tokens: dict[bool, float] = field(default_factory=dict)  # average new tokens per round
     streak: int = 0  # rounds of the cheaper kind since the last probe
     interval: int = 8
     confidence: float = 0.0  # average top probability of the target at plain steps
     observed: int = 0  # plain steps behind it
 
+    def cost(self, speculative: bool) -> float:
+        """Seconds per new token: averaged over rounds as a ratio of averages, so one round that
+        keeps a single token does not outweigh the rounds that keep five."""
+        return self.seconds[speculative] / self.tokens[speculative]
+
     def _cheaper(self) -> bool:
-        return self.cost[True] <= self.cost[False]
+        return self.cost(True) <= self.cost(False)
 
     def _promising(self) -> bool:
         return self.observed >= self.lead and self.confidence >= self.floor
@@ -94,9 +101,9 @@ class Pacer:
         self.observed += 1
 
     def speculate(self) -> bool:
-        if True not in self.cost:  # not tried yet
+        if True not in self.seconds:  # not tried yet
             return self._promising()
-        if len(self.cost) < 2:
+        if False not in self.seconds:
             return False
         if self.streak < self.interval:
             return self._cheaper()
@@ -104,17 +111,23 @@ class Pacer:
         return not self._cheaper() and self._promising()
 
     def record(self, speculative: bool, seconds: float, tokens: int) -> None:
-        per_token = seconds / max(tokens, 1)
-        if len(self.cost) == 2 and speculative == self._cheaper():  # the cheaper kind again
-            self.cost[speculative] += self.weight * (per_token - self.cost[speculative])
-            self.streak += 1
+        both = len(self.seconds) == 2
+        if both and speculative == self._cheaper():  # the cheaper kind again
+            self._average(speculative, seconds, tokens, self.weight)
+            turned = self._cheaper() != speculative  # its own average says the other kind is cheaper now
+            self.streak, self.interval = (0, self.min_interval) if turned else (self.streak + 1, self.interval)
             return
-        order = self._cheaper() if len(self.cost) == 2 else None
-        self.cost[speculative] = per_token  # a first measurement, or a probe: the old figure is stale
+        order = self._cheaper() if both else None
+        # A first measurement, or a probe: it weighs half against a figure that has gone stale.
+        self._average(speculative, seconds, tokens, 0.5 if speculative in self.seconds else 1.0)
         if order is not None:
             self.streak = 0
             confirmed = self._cheaper() == order
             self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
+
+    def _average(self, speculative: bool, seconds: float, tokens: int, weight: float) -> None:
+        for figures, value in ((self.seconds, seconds), (self.tokens, max(tokens, 1))):
+            figures[speculative] = figures.get(speculative, 0.0) + weight * (value - figures.get(speculative, 0.0))
 
 
 @dataclass
