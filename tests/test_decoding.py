@@ -469,3 +469,15 @@ def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, t
         assert len(view) <= SINK + 2 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
         assert drafter.runtime.tokens == view[: len(drafter.runtime.tokens)]  # what it caches is the view's prefix
     assert context[len(prompt) :] == expected
+
+
+def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_steps():
+    """Costs are a ratio of averages (seconds per round over tokens per round): a rejected first
+    draft (115 ms for one token) among rounds that keep five does not make plain steps look cheaper."""
+    pacer = Pacer()
+    paced_kinds(pacer, 20, lambda spec: (0.115, 5) if spec else (0.05, 1))
+    pacer.record(True, 0.115, 1)
+    assert pacer.cost(True) < pacer.cost(False)
+    for _ in range(3):  # a run of them does
+        pacer.record(True, 0.115, 1)
+    assert pacer.cost(True) > pacer.cost(False) and pacer.interval == pacer.min_interval
