@@ -114,20 +114,24 @@ class Pacer:
         both = len(self.seconds) == 2
         if both and speculative == self._cheaper():  # the cheaper kind again
             self._average(speculative, seconds, tokens, self.weight)
-            turned = self._cheaper() != speculative  # its own average says the other kind is cheaper now
-            self.streak, self.interval = (0, self.min_interval) if turned else (self.streak + 1, self.interval)
+            if self._cheaper() != speculative:  # its own average says the other kind is cheaper now
+                self.streak, self.interval = 0, self.min_interval
+            else:
+                self.streak += 1
             return
         order = self._cheaper() if both else None
         # A first measurement, or a probe: it weighs half against a figure that has gone stale.
-        self._average(speculative, seconds, tokens, 0.5 if speculative in self.seconds else 1.0)
+        self._average(speculative, seconds, tokens, 0.5)
         if order is not None:
             self.streak = 0
             confirmed = self._cheaper() == order
             self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
 
     def _average(self, speculative: bool, seconds: float, tokens: int, weight: float) -> None:
+        """Move the kind's averages toward this round by ``weight`` (a first round sets them)."""
         for figures, value in ((self.seconds, seconds), (self.tokens, max(tokens, 1))):
-            figures[speculative] = figures.get(speculative, 0.0) + weight * (value - figures.get(speculative, 0.0))
+            old = figures.get(speculative, value)
+            figures[speculative] = old + weight * (value - old)
 
 
 @dataclass

@@ -22,9 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.cli import CODING_PROMPTS
+from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat
-from engine.errors import EngineError
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.tools import llamacpp
@@ -100,6 +99,32 @@ def columns(set_names: list[str]) -> list[Column]:
     ]
 
 
+def run_sweep(args: argparse.Namespace) -> None:
+    target, _ = prepare_from_args(args)
+    tokenizer = auto_tokenizer(target.path)
+    sets = {
+        Path(path).stem: [
+            chat.prompt_ids(tokenizer, [{"role": "user", "content": text}])
+            for _, text in load_prompts(Path(path))[: args.limit]
+        ]
+        for path in args.prompts.split(",")
+    }
+    cache_dir = cache_dir_from_args(args)
+    binary = llamacpp.server_binary(cache_dir)
+    model, draft = llamacpp.gguf_file(args.target, cache_dir), llamacpp.gguf_file(args.draft, cache_dir)
+    with contextlib.ExitStack() as stack:
+        peers = {}
+        for spec in llamacpp.SWEEP:
+            peers[spec.name] = llamacpp.LlamaCppPeer(binary, model, draft if spec.draft else None, flags=spec.flags)
+            stack.callback(peers[spec.name].close)
+        rows = summarize(sweep(peers, sets, args.max_new_tokens))
+    text = markdown_table(rows, columns(list(sets)))
+    print(text)
+    print(f"\nfastest: {rows[0]['configuration']} (llamacpp.BEST is {llamacpp.BEST.name})")
+    write_text(args.table, text + "\n")
+    write_text(args.json, json.dumps({"rows": rows, "max_new_tokens": args.max_new_tokens}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.llamacpp_sweep", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
@@ -110,35 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
-    args = parser.parse_args(argv)
-    try:
-        target, _ = prepare_from_args(args)
-        tokenizer = auto_tokenizer(target.path)
-        sets = {
-            Path(path).stem: [
-                chat.prompt_ids(tokenizer, [{"role": "user", "content": text}])
-                for _, text in load_prompts(Path(path))[: args.limit]
-            ]
-            for path in args.prompts.split(",")
-        }
-        cache_dir = cache_dir_from_args(args)
-        binary = llamacpp.server_binary(cache_dir)
-        model, draft = llamacpp.gguf_file(args.target, cache_dir), llamacpp.gguf_file(args.draft, cache_dir)
-        with contextlib.ExitStack() as stack:
-            peers = {}
-            for spec in llamacpp.SWEEP:
-                peers[spec.name] = llamacpp.LlamaCppPeer(binary, model, draft if spec.draft else None, flags=spec.flags)
-                stack.callback(peers[spec.name].close)
-            rows = summarize(sweep(peers, sets, args.max_new_tokens))
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    text = markdown_table(rows, columns(list(sets)))
-    print(text)
-    print(f"\nfastest: {rows[0]['configuration']} (llamacpp.BEST is {llamacpp.BEST.name})")
-    write_text(args.table, text + "\n")
-    write_text(args.json, json.dumps({"rows": rows, "max_new_tokens": args.max_new_tokens}, indent=1))
-    return 0
+    return run_cli(lambda: run_sweep(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":
