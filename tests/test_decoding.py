@@ -481,3 +481,12 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
     for _ in range(3):  # a run of them does
         pacer.record(True, 0.115, 1)
     assert pacer.cost(True) > pacer.cost(False) and pacer.interval == pacer.min_interval
+
+
+def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_draft_landed():
+    """At long contexts a verify pass and a trim can cost more than K + 1 plain steps: once a
+    round has measured that, no probe of speculation follows; where a full round would pay, probes do."""
+    hopeless = paced_kinds(Pacer(most=5), 100, lambda spec: (0.6 if spec else 0.1, 1))  # 0.6 s > 5 plain steps
+    assert sum(hopeless) == 1  # the first try only
+    dear = paced_kinds(Pacer(most=5), 100, lambda spec: (0.4 if spec else 0.1, 1))  # 5 landed drafts would pay
+    assert sum(dear) > 2

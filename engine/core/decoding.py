@@ -73,6 +73,7 @@ class Pacer:
 
     lead: ClassVar[int] = 2
     floor: ClassVar[float] = 0.75
+    most: int = 5  # the most tokens a speculative round can keep (K + 1)
     min_interval: int = 8
     max_interval: int = 64
     weight: float = 0.3
@@ -91,6 +92,11 @@ class Pacer:
     def _cheaper(self) -> bool:
         return self.cost(True) <= self.cost(False)
 
+    def _could_pay(self) -> bool:
+        """Whether a speculative round of the average duration beats plain steps if it keeps
+        ``most`` tokens (at long contexts a verify pass and a trim can cost more than that)."""
+        return self.seconds[True] / self.most < self.cost(False)
+
     def _promising(self) -> bool:
         return self.observed >= self.lead and self.confidence >= self.floor
 
@@ -107,8 +113,9 @@ class Pacer:
             return False
         if self.streak < self.interval:
             return self._cheaper()
-        # Time for a probe of the other kind; one of speculation waits until it looks promising.
-        return not self._cheaper() and self._promising()
+        # Time for a probe of the other kind; one of speculation waits until it looks promising,
+        # and is skipped while even a round that kept every drafted token would not pay.
+        return not self._cheaper() and self._promising() and self._could_pay()
 
     def record(self, speculative: bool, seconds: float, tokens: int) -> None:
         both = len(self.seconds) == 2
@@ -159,7 +166,7 @@ class Decoder:
             )
         self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
         self.speculative = config.speculative and drafter is not None and config.k > 0
-        self.pacer = Pacer() if config.paced else None
+        self.pacer = Pacer(most=config.k + 1) if config.paced else None
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False
