@@ -86,3 +86,25 @@ def test_fixed_pass_width_runs_one_shape_and_computes_what_a_fresh_cache_compute
         context = context + drafted[: step % 2] + [40 + step]  # some drafts kept, then a correction
         _assert_fresh_cache_agrees(fresh, context, draft.sync(context)[-1])
     assert sizes[0] == 27 and set(sizes[1:]) == {2}
+
+
+# The real draft's cache is u8 (the CPU plugin's default for int4 models; tiny fp16 ones get f16).
+U8_DRAFT_CONFIG = {**DRAFT_CONFIG, "KV_CACHE_PRECISION": "u8"}
+
+
+@pytest.mark.parametrize("config", [U8_DRAFT_CONFIG, TARGET_CONFIG], ids=["u8-draft", "target"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_long_trim_keeps_the_entries_it_keeps_at_the_engines_kv_precisions(ir_draft, config, masked):
+    """A trim of more than MAX_MASKED entries sets the kept prefix back into the plugin. Into a
+    u8 cache (the real draft's) the plugin read a view of the prefix as if it were contiguous:
+    the kept entries came back scrambled, and the draft drafted from garbage after a new turn or
+    a window jump (found 2026-11-23). The next pass must compute what it computes after the kept
+    tokens alone (up to the rounding of a longer first pass)."""
+    tokens = list(range(5, 5 + 40 + MAX_MASKED + 30))
+    trimmed = Runtime(ir_draft, config=config, masked_rollback=masked)
+    trimmed.forward(tokens)
+    trimmed.trim(40)
+    fresh = Runtime(ir_draft, config=config)
+    fresh.forward(tokens[:40])
+    after_trim, after_fresh = trimmed.forward([7, 8], rows=2), fresh.forward([7, 8], rows=2)
+    np.testing.assert_allclose(after_trim, after_fresh, atol=0.05 * float(np.abs(after_fresh).max()))

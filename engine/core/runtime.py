@@ -37,7 +37,6 @@ DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # A masked rollback compacts the cache once it holds more dropped entries than this; the
 # compaction costs one ordinary trim.
 MAX_MASKED = 64
-_KV_BYTES = {"u8": 1, "i8": 1, "bf16": 2, "f16": 2, "f32": 4}
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -126,7 +125,9 @@ class Runtime:
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
         self.label = model_label(self.ir_dir, hf_config)
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
-        self._kv_bytes_per_token = self._kv_bytes(hf_config)
+        precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
+        self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
+        self._quantized_kv = not precision.is_real()  # u8: entries stored with a scale and zero point
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
         self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
@@ -136,10 +137,9 @@ class Runtime:
         self._mask = np.ones(0, dtype=np.int64)  # one entry per cache slot: 0 = dropped
         self.passes = 0
 
-    def _kv_bytes(self, cfg: dict) -> int:
-        precision = str(self.compiled.get_property("KV_CACHE_PRECISION"))
-        per = next((b for name, b in _KV_BYTES.items() if name in precision), 2)
-        return 2 * cfg["num_hidden_layers"] * _kv_heads(cfg) * _head_dim(cfg) * per
+    @staticmethod
+    def _kv_bytes(cfg: dict, per_value: float) -> int:
+        return int(2 * cfg["num_hidden_layers"] * _kv_heads(cfg) * _head_dim(cfg) * per_value)
 
     def fork(self) -> Runtime:
         """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
@@ -200,11 +200,13 @@ class Runtime:
     def _gather(self, slots: np.ndarray) -> None:
         """Keep only the cache entries at ``slots``: a copy of every state out and back in. A
         prefix (every trim of a cache without holes) is set back as a view of what was read,
-        which saves a third of the copying (docs/design.md, "Rollback cost")."""
-        prefix = slots[-1] == len(slots) - 1
+        which saves a third of the copying (docs/design.md, "Rollback cost"), except into a
+        quantized (u8) cache: the plugin reads such a view as if it were contiguous, and the
+        entries come back scrambled (docs/design.md, "Rollback cost")."""
+        view = slots[-1] == len(slots) - 1 and not self._quantized_kv
         for state in self.request.query_state():
             kept = state.state
-            if prefix:
+            if view:
                 shape = list(kept.shape)
                 kept = ov.Tensor(kept, [0] * len(shape), [*shape[:2], len(slots), *shape[3:]])
             else:
