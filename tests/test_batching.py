@@ -211,3 +211,18 @@ def test_rows_of_any_length_join_and_a_long_row_leaving_cuts_the_padding(shared,
     finals = [finish(s) for s in streams]
     assert [f.token_ids for f, _ in finals] == solo
     assert all(largest == 3 for _, largest in finals) and cuts
+
+
+def test_short_prompts_that_arrive_together_start_together(shared):
+    """Their prompts are read in one iteration, so their first tokens come from one batched step
+    (the last no longer waits for a round per request ahead of it), each the token it gets alone."""
+    requests = [ask(f"Arriving together {i}: name a fruit.") for i in range(3)]
+    solo = [alone(shared, r) for r in requests]
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    firsts = [first_delta(s)[-1] for s in streams]
+    assert [e.metrics["batch_size"] for e in firsts] == [3, 3, 3]
+    for stream, expected in zip(streams, solo):
+        final, _ = finish(stream)
+        assert final.kind == "done", final.error
+        assert final.token_ids == expected

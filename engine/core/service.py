@@ -11,6 +11,7 @@ speculation no longer pays (docs/design.md, "Batching"). Further requests wait i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -449,11 +450,15 @@ class Engine:
         self._guard([job], start)
 
     def _advance(self) -> None:
-        """One iteration: a prefill chunk for the oldest request still reading its prompt, then
-        one round of every request that is generating (together when there are several)."""
-        reading = [j for j in self._serving if j.prefill is not None]
-        if reading:
-            self._guard(reading[:1], lambda: self._read_prompt(reading[0]))
+        """One iteration: the prompts waiting to be read, up to the first that needs a prefill
+        chunk of its own (a long one: that chunk is the iteration's prefill), then one round of
+        every request that is generating (together when there are several). Short prompts
+        arriving together so start together, their prefills in one iteration, instead of one
+        iteration each: the last of four no longer waits for three rounds of the others."""
+        for job in [j for j in self._serving if j.prefill is not None]:
+            self._guard([job], functools.partial(self._read_prompt, job))
+            if job.prefill is not None:
+                break
         generating = [j for j in self._serving if j.prefill is None]
         if len(generating) == 1:
             self._guard(generating, lambda: self._alone(generating[0]))
