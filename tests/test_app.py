@@ -356,6 +356,12 @@ def test_wrong_password_is_refused_and_every_route_needs_the_login(engine):
         demo.close()
 
 
+def test_an_idle_queue_looks_for_events_at_the_quiet_period_not_every_millisecond(engine):
+    queue = app.build_app(engine)._queue  # its idle polling takes CPU time from decoding
+    assert queue.sleep_when_free == app.QUEUE_POLL_S >= 0.01
+    assert queue.progress_update_sleep_when_free == app.PROGRESS_POLL_S >= 0.05
+
+
 def test_auth_is_read_as_user_colon_password():
     assert app.parse_auth("ada:pa:ss") == ("ada", "pa:ss")
     assert app.parse_auth(None) is None
