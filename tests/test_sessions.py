@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine, Request
-from engine.core.sessions import MAX_SESSIONS, default_capacity
+from engine.core.sessions import CONTINUES, MAX_SESSIONS, default_capacity
 
 ANSWER = 16
 
@@ -57,6 +57,25 @@ def test_the_least_recently_used_conversation_is_evicted_and_re_prefilled(two_se
     assert metrics["cached_tokens"] < len(a1)  # re-prefilled, and the metrics say so
     assert answer == alone(engine, a2)
     assert len(engine.sessions.sessions) == 2
+
+
+def test_a_conversation_opened_again_continues_in_its_own_session_not_the_longer_one_it_repeats(ir_target, ir_draft):
+    """Two users with the same opening (an example prompt, a benchmark's conversation): the
+    second one's follow-up shares more with the first one's long conversation than with its own
+    session, but only its own session holds what it goes on from."""
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3)
+    first = conversation(engine, "Hash maps?")
+    answer, _ = turn(engine, first)
+    second = first + answer + conversation(engine, "Resize it.")
+    answer, _ = turn(engine, second)
+    turn(engine, second + answer + conversation(engine, "Now " + "and then " * 18 + "add deletion."))
+    again, _ = turn(engine, first)  # the second user opens the same way: a session of its own
+    follow_up = first + again + conversation(engine, "Resize it.")
+    longest = max(len(s.target.tokens) for s in engine.sessions.sessions)
+    assert follow_up == second and len(follow_up) < CONTINUES * longest  # the case under test
+    answer, metrics = turn(engine, follow_up)
+    assert metrics["cached_tokens"] >= len(first) + ANSWER - 1
+    assert answer == alone(engine, follow_up)
 
 
 def test_the_default_pool_fits_the_memory_available(monkeypatch):

@@ -2,7 +2,7 @@
 
 Each session is a target cache and a draft cache (one ``InferRequest`` each on the shared
 compiled models: the weights are loaded once) and the drafters built on them. A request goes to
-the session whose target cache holds the longest prefix of its prompt, so a follow-up turn
+the session it continues whose target cache holds the longest prefix of it, so a follow-up turn
 prefills only its new suffix, whoever spoke in between; no session id is needed (an API client
 re-sends the conversation, as the UI does). A prompt that continues no session takes an empty
 one, else the least recently used one is taken over (its conversation re-prefills on its next
@@ -60,8 +60,11 @@ class SessionPool:
         serving other requests: the caller keeps fewer requests going than :attr:`capacity`)."""
         free = [i for i, s in enumerate(self.sessions) if not any(s is b for b in busy)]
         shared = {i: common_prefix(self.sessions[i].target.tokens, prompt) for i in free}
-        best = max(shared, key=lambda i: (shared[i], i), default=None)  # the latest on a tie
-        if best is None or not self._continues(self.sessions[best], shared[best]):
+        # Among the sessions the prompt continues: a session holding a longer conversation that
+        # this prompt repeats the start of (the same opening, asked again) is not this one's.
+        continued = [i for i in free if shared[i] and self._continues(self.sessions[i], shared[i])]
+        best = max(continued, key=lambda i: (shared[i], i), default=None)  # the latest on a tie
+        if best is None:
             best = self._free(free)
         session = self.sessions.pop(best)
         self.sessions.append(session)
