@@ -463,12 +463,16 @@ def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, t
     context = list(prompt)
     target.reset()
     drafter.runtime.reset()
+    cuts = []
     for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=40), Stats("t")):
         context += round_.tokens
         view = drafter.view(context)
-        assert len(view) <= SINK + 2 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
+        assert len(view) <= SINK + 3 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
         assert drafter.runtime.tokens == view[: len(drafter.runtime.tokens)]  # what it caches is the view's prefix
+        cuts.append(len(context) - len(view) + SINK)
     assert context[len(prompt) :] == expected
+    moves = [i for i in range(1, len(cuts)) if cuts[i] != cuts[i - 1]]
+    assert moves and all(cuts[b] - cuts[a] >= 2 * 16 for a, b in zip([0, *moves], moves))  # not every window
 
 
 def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_steps():

@@ -104,7 +104,7 @@ class ModelDrafter:
     differs, the guess is rolled back like any rejected token (by masking, for free).
 
     With a ``window``, the draft model sees a long conversation's first :data:`SINK` tokens and
-    its last ``window`` to ``2 * window`` tokens only (:meth:`view`): what it drafts depends on
+    its last ``window`` to ``3 * window`` tokens only (:meth:`view`): what it drafts depends on
     recent text, and a 3,000-token conversation would otherwise cost it a 3,000-token prefill
     before its first draft and slower steps after (docs/design.md, "Long conversations").
     """
@@ -125,17 +125,23 @@ class ModelDrafter:
         self.window = window
         self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
         self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
+        self._cut = 0  # where the view's tail starts in the context
 
     def view(self, context: Sequence[int]) -> list[int]:
         """What the draft model is shown of ``context``: all of it up to ``SINK + 2 * window``
-        tokens; past that, its first SINK tokens (the chat template's header) and its last
-        ``window`` to ``2 * window`` tokens, cut at a multiple of ``window`` after the header, so
-        that the view the draft caches stays a prefix of the next one as the context grows."""
-        w, after_header = self.window, len(context) - SINK
-        if w is None or after_header <= 2 * w:
+        tokens; past that, its first SINK tokens (the chat template's header) and a tail from a
+        cut. A cut is made where the tail is ``window`` tokens (the draft's catch-up reads that
+        much) and kept while the cache holds its view and the tail is at most ``3 * window``
+        tokens, so the view the draft caches stays a prefix of the next one for ``2 * window``
+        tokens. (A cut set by the length alone moved every ``window`` tokens: a 128-token answer
+        after a catch-up of up to 2 * window tokens often paid a second one, 0.6 s at 2,000
+        tokens; docs/benchmarks.md, "Long conversations after the u8 fix".)"""
+        w, n = self.window, len(context)
+        if w is None or n - SINK <= 2 * w:
             return list(context)
-        cut = SINK + (after_header - w) // w * w
-        return [*context[:SINK], *context[cut:]]
+        if not self.runtime.tokens or self._cut < SINK or not w <= n - self._cut <= 3 * w:
+            self._cut = n - w
+        return [*context[:SINK], *context[self._cut :]]
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         start = time.perf_counter()
