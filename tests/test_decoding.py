@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.core.decoding import DecodeConfig, Pacer, decode
+from engine.core.decoding import TRY_MARGIN, DecodeConfig, Pacer, PassCosts, break_even_acceptance, decode
 from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.core.metrics import Stats
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
@@ -428,6 +429,35 @@ def test_the_pacer_tries_speculation_only_where_the_target_looks_predictable(mon
     assert not any(unsure)
     kinds = paced_kinds(Pacer(), 60, lambda spec: (0.05 if spec else 0.1, 1), lambda i: 0.5 if i < 30 else 0.95)
     assert not any(kinds[:30]) and kinds.index(True) <= 34 and all(kinds[34:41])
+
+
+def test_the_pacer_does_not_try_speculation_below_the_machines_break_even(monkeypatch):
+    """Where a round costs four plain steps (an AVX2 CPU), drafts must land nine times in ten: a
+    target 85% sure of its tokens is not worth a try there, one 95% sure is."""
+    monkeypatch.undo()  # the real floor and break-even (conftest sets both to 0 for tiny models)
+    assert break_even_acceptance(0.9, 4) == 0.0 and break_even_acceptance(5.0, 4) == math.inf
+    alpha = break_even_acceptance(4.0, 4)
+    assert 0.88 < alpha < 0.9 and (1 - alpha**5) / (1 - alpha) == pytest.approx(4.0)
+    costs = PassCosts(step=0.072, verify=0.184, draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
+    assert costs.break_even() == break_even_acceptance(TRY_MARGIN * 4.0, 4) > alpha
+    unsure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.85)
+    sure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.95)
+    assert not any(unsure) and any(sure)
+
+
+def test_paced_decoding_where_no_round_can_pay_runs_plain_steps_only(pair, tok):
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[3])
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=math.inf)
+    assert tokens == expected and stats.drafted == 0 and not drafter.runtime.tokens
+
+
+def test_pass_costs_are_measured_on_the_engines_runtimes_and_leave_their_caches_empty(pair):
+    target, drafter = pair
+    costs = PassCosts.measure(target, drafter.runtime, k=4, repeats=2)
+    assert min(costs.step, costs.verify, costs.draft) > 0
+    assert not target.tokens and not drafter.runtime.tokens
 
 
 def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pair, tok, monkeypatch):

@@ -10,6 +10,8 @@ greedy speculative decoding runs the very passes autoregressive decoding runs.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,11 @@ from engine.core.sampling import SamplingParams, logits_to_probs, next_token, to
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
 
+# What a speculative round must promise over plain steps before a request tries one: its passes
+# leave out the draft's catch-up over the conversation, the first pass of each new shape and the
+# trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
+# round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
+TRY_MARGIN = 1.1
 # Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most. Every
 # mode prefills this way; with a past, a pass's width does not change its rows' rounding.
 PREFILL_CHUNK = 256
@@ -47,6 +54,64 @@ class DecodeConfig:
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
     progress: Callable[[], None] = lambda: None  # called after every prefill chunk
     paced: bool = False  # speculate only while it pays (Pacer)
+    break_even: float = 0.0  # the acceptance a speculative round needs to pay on this machine (PassCosts)
+
+
+def break_even_acceptance(ratio: float, k: int) -> float:
+    """The per-token acceptance rate at which a round of ``k`` drafted tokens that costs ``ratio``
+    plain target steps yields as many tokens per second as plain steps: the expected tokens of a
+    round, (1 − α^(k+1)) / (1 − α) (Leviathan et al. 2023), equal ``ratio``. 0 where any round
+    pays; infinite where not even a round that keeps every drafted token does."""
+    if ratio <= 1:
+        return 0.0
+    if ratio >= k + 1:
+        return math.inf
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        alpha = (low + high) / 2
+        if (1 - alpha ** (k + 1)) / (1 - alpha) < ratio:
+            low = alpha
+        else:
+            high = alpha
+    return high
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of a plain target step, a target pass over ``k`` + 1 tokens and a draft step, timed
+    on this machine at start. What a speculative round costs against a plain step differs from
+    CPU to CPU far more than the draft's agreement does: a 5-token verify pass cost 1.4 plain
+    steps on an AVX-512 machine, 2.6 on an AVX2 one (docs/benchmarks.md, "An AVX2 machine"), where
+    drafts must land nine times in ten to pay."""
+
+    step: float
+    verify: float
+    draft: float
+    k: int
+
+    @classmethod
+    def measure(cls, target: Runtime, draft: Runtime, k: int, repeats: int = 5) -> PassCosts:
+        """Time each pass ``repeats`` times after a short context (the medians); both caches are
+        left empty."""
+
+        def median_pass(runtime: Runtime, width: int) -> float:
+            runtime.reset()
+            runtime.forward([0] * 16)
+            seconds = []
+            for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
+                start = time.perf_counter()
+                runtime.forward([0] * width, rows=width)
+                seconds.append(time.perf_counter() - start)
+                runtime.trim(16)
+            runtime.reset()
+            return statistics.median(seconds[1:])
+
+        return cls(median_pass(target, 1), median_pass(target, k + 1), median_pass(draft, draft.pass_width), k)
+
+    def break_even(self) -> float:
+        """The draft's acceptance rate at which a round of K drafted tokens promises
+        :data:`TRY_MARGIN` over plain steps."""
+        return break_even_acceptance(TRY_MARGIN * (self.k * self.draft + self.verify) / self.step, self.k)
 
 
 @dataclass
@@ -66,14 +131,16 @@ class Pacer:
     predictable. The draft model agrees with the target's greedy token about as often as the
     target's own top probability says (per prompt, 24 prompts: docs/design.md, "Speculating only
     while it pays"), so the pacer keeps an average of that probability over the plain steps and
-    tries speculation only while it is at least ``floor``; a request starts with ``lead`` plain
-    steps to measure it. Which kind runs changes the passes only: every round's tokens follow the
+    tries speculation only while it is at least ``floor``, and at least the acceptance a round
+    needs to pay on this machine (``break_even``, from :class:`PassCosts`); a request starts with
+    ``lead`` plain steps to measure it. Which kind runs changes the passes only: every round's tokens follow the
     target's rule, so greedy output is the same and sampled output keeps its distribution.
     """
 
     lead: ClassVar[int] = 2
     floor: ClassVar[float] = 0.75
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
+    break_even: float = 0.0  # the acceptance a round needs to pay here (PassCosts.break_even)
     min_interval: int = 8
     max_interval: int = 64
     weight: float = 0.3
@@ -98,7 +165,7 @@ class Pacer:
         return self.seconds[True] / self.most < self.cost(False)
 
     def _promising(self) -> bool:
-        return self.observed >= self.lead and self.confidence >= self.floor
+        return self.observed >= self.lead and self.confidence >= max(self.floor, self.break_even)
 
     def observe(self, top_probability: float) -> None:
         """The target's top probability at a plain step."""
@@ -165,8 +232,13 @@ class Decoder:
                 f"Clear the chat or shorten the message."
             )
         self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
-        self.speculative = config.speculative and drafter is not None and config.k > 0
-        self.pacer = Pacer(most=config.k + 1) if config.paced else None
+        # Where no speculative round can pay on this machine (break-even above 1), a paced
+        # request runs plain steps only, without even watching for a chance.
+        hopeless = config.paced and config.break_even > 1
+        self.speculative = config.speculative and drafter is not None and config.k > 0 and not hopeless
+        self.pacer = (
+            Pacer(most=config.k + 1, break_even=config.break_even) if config.paced and self.speculative else None
+        )
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False

@@ -28,11 +28,11 @@ from typing import TypeVar
 from engine.core import chat
 from engine.core.batch import Batch
 from engine.core.chat import check_messages
-from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
+from engine.core.decoding import DecodeConfig, Decoder, PassCosts, Provenance, Round
 from engine.core.drafters import Drafter
 from engine.core.memory import return_freed_buffers
 from engine.core.metrics import Baseline, Stats
-from engine.core.modes import MODES, DrafterParts
+from engine.core.modes import BEST_K, MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import Session, SessionPool, default_capacity
@@ -267,6 +267,19 @@ class Engine:
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.warm_up()
+        # What a speculative round costs here against a plain step: the paced mode's break-even.
+        self.pass_costs = PassCosts.measure(self.target, self.draft, BEST_K) if self.draft is not None else None
+        if self.pass_costs is not None:
+            costs = self.pass_costs
+            log.info(
+                "pass costs: target step %.1f ms, %d-token verify %.1f ms, draft step %.1f ms: "
+                "speculation pays above %.2f acceptance",
+                1e3 * costs.step,
+                costs.k + 1,
+                1e3 * costs.verify,
+                1e3 * costs.draft,
+                costs.break_even(),
+            )
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.max_context = self.target.max_context
         self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
@@ -587,6 +600,7 @@ class Engine:
             cancelled=cancel.is_set,
             progress=self._mark_progress,
             paced=mode.paced,
+            break_even=self.pass_costs.break_even() if mode.paced and self.pass_costs is not None else 0.0,
         )
 
     def _mark_progress(self) -> None:

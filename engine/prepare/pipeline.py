@@ -296,7 +296,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compress the target's embeddings and lm_head to int4 too (the draft's always are)",
     )
-    parser.add_argument("--sym", action="store_true", help="symmetric int4/int8 weights (default asymmetric)")
+    parser.add_argument(
+        "--asym",
+        dest="sym",
+        action="store_false",
+        help="asymmetric int4/int8 weights, with zero points (default symmetric)",
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -306,7 +311,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def draft_compression(
-    precision: str = "int4", group_size: int = 128, ratio: float = 1.0, sym: bool = False
+    precision: str = "int4", group_size: int = 128, ratio: float = 1.0, sym: bool = True
 ) -> Compression:
     """The draft's embeddings and vocabulary projection go to int4 with its layers: the draft's
     rounding cannot change the output, and the int4 head makes a draft step about a quarter
