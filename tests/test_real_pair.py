@@ -38,7 +38,16 @@ def test_greedy_speculative_equals_autoregressive_on_the_real_pair(real_engine, 
         assert sd.token_ids == ar.token_ids
 
 
+def _has_avx512() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+
+
 def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
+    """Bit for bit on AVX-512 CPUs (both measured). On an AVX2-only CPU the plugin's int4 and int8
+    matmuls round a one-row pass differently from a wider one, by up to 4e-5 in the logits
+    (2026-11-24, docs/benchmarks.md, "An AVX2 machine"): greedy speculative output can differ there
+    only where the target's top two logits are that close, and `best` runs plain steps there."""
     target = real_engine.target
     prompt = real_engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
     target.reset()
@@ -46,8 +55,13 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
     tokens = list(range(1000, 1005))
     singles = np.stack([target.forward([t])[-1] for t in tokens])
     target.trim(len(prompt))
-    np.testing.assert_array_equal(target.forward(tokens, rows=len(tokens)), singles)
+    verified = target.forward(tokens, rows=len(tokens))
     target.reset()
+    print(f"\nverify rows vs single steps: max |difference| {np.abs(verified - singles).max():.2e}")
+    if _has_avx512():
+        np.testing.assert_array_equal(verified, singles)
+    else:
+        np.testing.assert_allclose(verified, singles, rtol=0, atol=1e-4)
 
 
 def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine):
