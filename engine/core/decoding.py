@@ -81,7 +81,7 @@ class PassCosts:
     """Seconds of a plain target step, a target pass over ``k`` + 1 tokens and a draft step, timed
     on this machine at start. What a speculative round costs against a plain step differs from
     CPU to CPU far more than the draft's agreement does: a 5-token verify pass cost 1.4 plain
-    steps on an AVX-512 machine, 2.6 on an AVX2 one (docs/benchmarks.md, "An AVX2 machine"), where
+    steps on an AVX-512 machine, 2.5 on an AVX2 one (docs/benchmarks.md, "An AVX2 machine"), where
     drafts must land nine times in ten to pay."""
 
     step: float
@@ -133,8 +133,9 @@ class Pacer:
     while it pays"), so the pacer keeps an average of that probability over the plain steps and
     tries speculation only while it is at least ``floor``, and at least the acceptance a round
     needs to pay on this machine (``break_even``, from :class:`PassCosts`); a request starts with
-    ``lead`` plain steps to measure it. Which kind runs changes the passes only: every round's tokens follow the
-    target's rule, so greedy output is the same and sampled output keeps its distribution.
+    ``lead`` plain steps to measure it. Which kind runs changes the passes only: every round's
+    tokens follow the target's rule, so greedy output is the same and sampled output keeps its
+    distribution.
     """
 
     lead: ClassVar[int] = 2

@@ -27,8 +27,8 @@ DYNAMIC_QUANTIZATION = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128}
 # The target's default. With it, a verify pass of up to 32 tokens computes each row bit for
 # bit as single-token steps do (tests/test_runtime.py; the real int4 target on AVX-512 CPUs, not
 # on AVX2-only ones, where rows differ by up to 4e-5: tests/test_real_pair.py), so greedy
-# speculative decoding equals autoregressive decoding exactly. The CPU default u8 KV cache breaks that: its per-block
-# quantization depends on how many tokens a pass appends.
+# speculative decoding equals autoregressive decoding exactly. The CPU default u8 KV cache
+# breaks that: its per-block quantization depends on how many tokens a pass appends.
 TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "bf16", **DYNAMIC_QUANTIZATION}
 # The draft's rounding cannot change the output, so it runs with the fastest settings measured.
 # f32 compute: on an AMX machine (2026-11-23) the plugin's default bf16 made a 2-token draft step
