@@ -28,12 +28,14 @@ def pacer_trusts_tiny_models(request, monkeypatch):
     pacer would never try speculation on them; their tests run it as if the target were sure
     (tests/test_decoding.py checks the floor itself). Nor does a round on them cost what it costs
     a real pair (their passes are all overhead), so the break-even acceptance the engine measures
-    at start is 0 for them too. Tests on the real pair keep both."""
+    at start is 0 for them too, and every lookup copy is worth verifying. Tests on the real pair keep
+    all three."""
     if request.node.get_closest_marker("real") is None:
         from engine.core.decoding import Pacer, PassCosts
 
         monkeypatch.setattr(Pacer, "floor", 0.0)
         monkeypatch.setattr(PassCosts, "break_even", lambda self: 0.0)
+        monkeypatch.setattr(PassCosts, "worth_copying", lambda self, offered, acceptance: offered)
 
 
 @pytest.fixture(scope="session")

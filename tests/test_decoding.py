@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.core.decoding import TRY_MARGIN, DecodeConfig, Pacer, PassCosts, break_even_acceptance, decode
+from engine.core.decoding import (
+    TRY_MARGIN,
+    DecodeConfig,
+    Pacer,
+    PassCosts,
+    break_even_acceptance,
+    decode,
+    expected_tokens,
+)
 from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.core.metrics import Stats
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
@@ -438,8 +446,10 @@ def test_the_pacer_does_not_try_speculation_below_the_machines_break_even(monkey
     assert break_even_acceptance(0.9, 4) == 0.0 and break_even_acceptance(5.0, 4) == math.inf
     alpha = break_even_acceptance(4.0, 4)
     assert 0.88 < alpha < 0.9 and (1 - alpha**5) / (1 - alpha) == pytest.approx(4.0)
-    costs = PassCosts(step=0.072, verify=0.184, draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
-    assert costs.break_even() == break_even_acceptance(TRY_MARGIN * 4.0, 4) > alpha
+    costs = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
+    assert (
+        costs.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4)) and costs.break_even() > alpha
+    )
     unsure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.85)
     sure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.95)
     assert not any(unsure) and any(sure)
@@ -455,9 +465,64 @@ def test_paced_decoding_where_no_round_can_pay_runs_plain_steps_only(pair, tok):
 
 def test_pass_costs_are_measured_on_the_engines_runtimes_and_leave_their_caches_empty(pair):
     target, drafter = pair
-    costs = PassCosts.measure(target, drafter.runtime, k=4, repeats=2)
-    assert min(costs.step, costs.verify, costs.draft) > 0
+    costs = PassCosts.measure(target, drafter.runtime, k=4, widths=(9, 17), repeats=2)
+    assert [width for width, _ in costs.verify] == [2, 5, 9, 17]
+    assert min(costs.step, costs.draft, *(seconds for _, seconds in costs.verify)) > 0
+    assert costs.ratio(1) == 1 and costs.ratio(5) == costs.verify[1][1] / costs.step
     assert not target.tokens and not drafter.runtime.tokens
+
+
+# A target pass over 1, 2, 5, 9 and 17 tokens, in plain steps, as measured on two CPUs (docs/benchmarks.md).
+AVX2 = PassCosts(step=1.0, verify=((2, 1.41), (5, 2.54), (9, 3.2), (17, 5.44)), draft=0.36, k=4)
+AVX512 = PassCosts(step=1.0, verify=((2, 1.05), (5, 1.4), (9, 1.6), (17, 2.0)), draft=0.3, k=4)
+
+
+def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine(monkeypatch):
+    """Where each extra verify row costs a third of a step, a 16-token copy is worth verifying whole
+    only where copies always land, partly where they often do, not at all where they seldom do;
+    where rows are nearly free, the whole copy is worth it at the acceptance that cuts it there."""
+    monkeypatch.undo()  # the real price (conftest takes every copy whole for tiny models)
+    assert AVX2.worth_copying(16, 1.0) == 16
+    assert 1 <= AVX2.worth_copying(16, 0.95) < 16 and 1 <= AVX2.worth_copying(16, 0.8) < 16
+    assert AVX2.worth_copying(16, 0.3) == 0
+    assert AVX512.worth_copying(16, 0.95) == 16 and AVX512.worth_copying(3, 0.8) == 3
+    for alpha in (0.5, 0.8, 0.95):  # what it picks promises the most tokens per step's time
+        n = AVX2.worth_copying(16, alpha)
+        gains = [expected_tokens(alpha, m) / AVX2.ratio(m + 1) for m in range(1, 17)]
+        assert n == 0 or gains[n - 1] == max(gains) >= TRY_MARGIN
+
+
+def test_a_priced_lookup_learns_how_often_its_copies_land(monkeypatch):
+    monkeypatch.undo()
+    context = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4])
+    lookup = LookupDrafter(16, min_match=4, span=5, price=AVX2.worth_copying)
+    first = lookup.free(context, 4, SamplingParams()).tokens
+    assert lookup.acceptance == 0.75 and first == [5, 6, 7, 8, 9][: AVX2.worth_copying(5, 0.75)]
+    for _ in range(20):
+        lookup.observe(5, 5)
+    assert lookup.acceptance > 0.95 and lookup.free(context, 4, SamplingParams()).tokens == [5, 6, 7, 8, 9]
+    for _ in range(20):
+        lookup.observe(5, 0)
+    assert lookup.acceptance < 0.5 and lookup.free(context, 4, SamplingParams()).tokens == []
+    dropped = 1
+    while not lookup.free(context, 4, SamplingParams()).tokens:  # dropped copies drift back to the prior
+        dropped += 1
+    assert 2 <= dropped <= 30 and lookup.acceptance <= 0.75
+
+
+def test_where_the_draft_model_cannot_pay_lookup_copies_still_run_and_the_answer_stays_exact(pair, tok):
+    """A paced request on a machine where no draft-model round pays never runs the draft model,
+    yet verifies the lookup copies worth verifying, and answers as autoregressive decoding does."""
+    target, model = pair
+    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, min_match=2, span=8), model)
+    passes, drafted = model.runtime.passes, 0
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
+        tokens, stats = run(target, hybrid, prompt, k=4, max_new_tokens=40, paced=True, break_even=math.inf)
+        assert tokens == expected
+        drafted += stats.drafted
+    assert drafted > 0 and model.runtime.passes == passes
 
 
 def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pair, tok, monkeypatch):

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from engine.core.drafters import Drafter
+from engine.core.drafters import Draft, Drafter
 from engine.core.metrics import Stats
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token, top_probability
@@ -57,11 +57,18 @@ class DecodeConfig:
     break_even: float = 0.0  # the acceptance a speculative round needs to pay on this machine (PassCosts)
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """The tokens a round of ``k`` drafted tokens keeps on average where each is accepted with
+    probability ``alpha``, the target's own token included: (1 − α^(k+1)) / (1 − α) (Leviathan
+    et al. 2023)."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def break_even_acceptance(ratio: float, k: int) -> float:
     """The per-token acceptance rate at which a round of ``k`` drafted tokens that costs ``ratio``
-    plain target steps yields as many tokens per second as plain steps: the expected tokens of a
-    round, (1 − α^(k+1)) / (1 − α) (Leviathan et al. 2023), equal ``ratio``. 0 where any round
-    pays; infinite where not even a round that keeps every drafted token does."""
+    plain target steps yields as many tokens per second as plain steps: its expected tokens equal
+    ``ratio``. 0 where any round pays; infinite where not even a round that keeps every drafted
+    token does."""
     if ratio <= 1:
         return 0.0
     if ratio >= k + 1:
@@ -69,7 +76,7 @@ def break_even_acceptance(ratio: float, k: int) -> float:
     low, high = 0.0, 1.0
     for _ in range(40):
         alpha = (low + high) / 2
-        if (1 - alpha ** (k + 1)) / (1 - alpha) < ratio:
+        if expected_tokens(alpha, k) < ratio:
             low = alpha
         else:
             high = alpha
@@ -78,21 +85,23 @@ def break_even_acceptance(ratio: float, k: int) -> float:
 
 @dataclass(frozen=True)
 class PassCosts:
-    """Seconds of a plain target step, a target pass over ``k`` + 1 tokens and a draft step, timed
-    on this machine at start. What a speculative round costs against a plain step differs from
-    CPU to CPU far more than the draft's agreement does: a 5-token verify pass cost 1.4 plain
-    steps on an AVX-512 machine, 2.5 on an AVX2 one (docs/benchmarks.md, "An AVX2 machine"), where
-    drafts must land nine times in ten to pay."""
+    """Seconds of a plain target step, of target passes over a few widths (``verify``: width,
+    seconds) and of a draft step, timed on this machine at start. What a speculative round costs
+    against a plain step differs from CPU to CPU far more than the draft's agreement does: a
+    5-token verify pass cost 1.4 plain steps on an AVX-512 machine, 2.5 on an AVX2 one
+    (docs/benchmarks.md, "An AVX2 machine"), where drafts must land nine times in ten to pay."""
 
     step: float
-    verify: float
+    verify: tuple[tuple[int, float], ...]
     draft: float
     k: int
 
     @classmethod
-    def measure(cls, target: Runtime, draft: Runtime, k: int, repeats: int = 5) -> PassCosts:
-        """Time each pass ``repeats`` times after a short context (the medians); both caches are
-        left empty."""
+    def measure(
+        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 4
+    ) -> PassCosts:
+        """Time each pass ``repeats`` times after a short context (the medians): the target's at
+        width 1, 2, ``k`` + 1 and ``widths``; both caches are left empty."""
 
         def median_pass(runtime: Runtime, width: int) -> float:
             runtime.reset()
@@ -106,12 +115,31 @@ class PassCosts:
             runtime.reset()
             return statistics.median(seconds[1:])
 
-        return cls(median_pass(target, 1), median_pass(target, k + 1), median_pass(draft, draft.pass_width), k)
+        verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))
+        return cls(median_pass(target, 1), verify, median_pass(draft, draft.pass_width), k)
+
+    def ratio(self, width: int) -> float:
+        """What a target pass over ``width`` tokens costs in plain steps (interpolated between the
+        measured widths: on both kinds of CPU measured, nearly linear past 2)."""
+        widths, seconds = zip(*((1, self.step), *self.verify), strict=True)
+        return float(np.interp(width, widths, seconds)) / self.step
 
     def break_even(self) -> float:
         """The draft's acceptance rate at which a round of K drafted tokens promises
         :data:`TRY_MARGIN` over plain steps."""
-        return break_even_acceptance(TRY_MARGIN * (self.k * self.draft + self.verify) / self.step, self.k)
+        return break_even_acceptance(TRY_MARGIN * (self.k * self.draft / self.step + self.ratio(self.k + 1)), self.k)
+
+    def worth_copying(self, offered: int, acceptance: float) -> int:
+        """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify, each
+        accepted with probability ``acceptance``: the count whose pass promises the most tokens per
+        plain step's time, if that is at least :data:`TRY_MARGIN`; else 0. Where the verify pass
+        grows fast with its width (an AVX2 CPU: 17 tokens cost 5.4 steps) a long copy pays only
+        where copies land, and where it does not (AVX-512: 2 steps) the whole copy is taken."""
+        best, promised = 0, TRY_MARGIN
+        for n in range(1, offered + 1):
+            if (gain := expected_tokens(acceptance, n) / self.ratio(n + 1)) >= promised:
+                best, promised = n, gain
+        return best
 
 
 @dataclass
@@ -233,13 +261,11 @@ class Decoder:
                 f"Clear the chat or shorten the message."
             )
         self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
-        # Where no speculative round can pay on this machine (break-even above 1), a paced
-        # request runs plain steps only, without even watching for a chance.
-        hopeless = config.paced and config.break_even > 1
-        self.speculative = config.speculative and drafter is not None and config.k > 0 and not hopeless
-        self.pacer = (
-            Pacer(most=config.k + 1, break_even=config.break_even) if config.paced and self.speculative else None
-        )
+        self.speculative = config.speculative and drafter is not None and config.k > 0
+        # Where no round of the draft model can pay on this machine (break-even above 1), a paced
+        # request never runs it, nor watches for a chance to: only its free drafts remain.
+        self.modelled = self.speculative and not (config.paced and config.break_even > 1)
+        self.pacer = Pacer(most=config.k + 1, break_even=config.break_even) if config.paced and self.modelled else None
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False
@@ -270,9 +296,20 @@ class Decoder:
         return left - 1
 
     def _speculates(self, limit: int) -> bool:
-        """Whether the next round drafts (``limit``: drafted tokens that fit)."""
+        """Whether the next round drafts with the drafter's model (``limit``: drafted tokens that
+        fit)."""
         paced = self.pacer is None or self.pacer.speculate()
-        return self.speculative and self.stats.rounds > 0 and limit > 0 and paced
+        return self.modelled and self.stats.rounds > 0 and limit > 0 and paced
+
+    def _free_draft(self, limit: int) -> Draft | None:
+        """A paced request's draft that costs no model pass (prompt lookup, priced by the drafter
+        against this machine's pass costs), tried at every round whatever the pacer says: only
+        the pacer's choice between the draft model and plain steps has a price to learn."""
+        if not (self.config.paced and self.speculative and self.stats.rounds > 0 and limit > 0):
+            return None
+        assert self.drafter is not None
+        draft = self.drafter.free(self.context, min(self.config.k, limit), self.config.sampling).head(limit)
+        return draft if draft.tokens else None
 
     def catch_up(self) -> Iterator[None]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
@@ -290,11 +327,13 @@ class Decoder:
         is exact")."""
         limit = self.room()
         pacer, drafter = self.pacer, self.drafter
-        spec = self._speculates(limit)
+        free = self._free_draft(limit)
+        spec = free is None and self._speculates(limit)
         start = time.perf_counter()
-        if drafter is not None and spec:
+        if drafter is not None and (free or spec):
+            draft = free or drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng)
             round_ = _speculative_round(
-                self.target, drafter, self.context, self.config.k, limit, self.config.sampling, self.rng, self.stats
+                self.target, drafter, self.context, draft.head(limit), self.config.sampling, self.rng, self.stats
             )
         else:
             logits = _target_logits(self.target, self.context, 1, self.stats)
@@ -306,7 +345,7 @@ class Decoder:
         self.target.trim(common_prefix(self.target.tokens, self.context))
         if drafter is not None:
             drafter.rollback(self.context)
-        if pacer is not None and self.stats.rounds > 1:
+        if pacer is not None and self.stats.rounds > 1 and free is None:
             pacer.record(spec, time.perf_counter() - start, len(round_.tokens))
             self.stats.plain_rounds += not spec
         return round_
@@ -378,13 +417,12 @@ def _speculative_round(
     target: Runtime,
     drafter: Drafter,
     context: list[int],
-    k: int,
-    limit: int,
+    draft: Draft,
     params: SamplingParams,
     rng: np.random.Generator,
     stats: Stats,
 ) -> Round:
-    draft = drafter.propose(context, min(k, limit), params, rng).head(limit)
+    """Verify ``draft`` (``drafter``'s proposal) with one target pass and keep what the rule accepts."""
     stats.draft_seconds += draft.seconds
     logits = _target_logits(target, context + draft.tokens, len(draft.tokens) + 1, stats)
     if params.greedy:

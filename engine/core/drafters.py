@@ -5,7 +5,7 @@ lookup, adaptive length, a cheaper draft head) plug in without touching it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +38,10 @@ class Drafter(Protocol):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
         whose proposals cost nothing may propose more)."""
+
+    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+        """What this drafter proposes without running a model (prompt lookup), where that promises
+        to pay; empty where it has nothing such."""
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
@@ -181,6 +185,9 @@ class ModelDrafter:
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs
 
+    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+        return Draft([], None, 0.0)
+
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
         return self.runtime.feed(self.view(context), chunk)
 
@@ -201,7 +208,16 @@ class LookupDrafter:
     """Prompt-lookup drafting: find where the context's last ``min_ngram`` tokens occurred
     before, pick the occurrence whose preceding tokens match the context's furthest back
     (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
-    model pass; its proposals are deterministic, so their draft distribution is one-hot."""
+    model pass; its proposals are deterministic, so their draft distribution is one-hot.
+
+    A ``price`` (the machine's :meth:`engine.core.decoding.PassCosts.worth_copying`) cuts each
+    copy to the length whose verify pass pays best at the acceptance its copies have had (an
+    exponential average over their verdicts, starting at 0.75), and drops it where none does; each
+    copy dropped moves that average a step back toward 0.75, so a few early misses do not stop
+    copying for the rest of the conversation."""
+
+    DECAY = 0.9  # the weight of the earlier verdicts at each new one
+    PRIOR = (3.0, 1.0)  # accepted and rejected copied tokens before any verdict: 0.75
 
     def __init__(
         self,
@@ -210,19 +226,36 @@ class LookupDrafter:
         max_ngram: int = 32,
         min_match: int | None = None,
         span: int | None = None,
+        price: Callable[[int, float], int] | None = None,
     ):
         """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
         ``span``: copy up to this many tokens per round (default: the round's k). A copied run
-        costs no draft pass, only verify rows, so it pays to copy further than a model drafts."""
+        costs no draft pass, only verify rows, so it pays to copy further than a model drafts.
+        ``price``: how many of the offered tokens to copy at a given acceptance."""
         self.vocab_size = vocab_size
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.min_match = min_match or min_ngram
         self.span = span
+        self.price = price
+        self._accepted, self._rejected = self.PRIOR
+
+    @property
+    def acceptance(self) -> float:
+        """The share of copied tokens the target accepts: accepted / (accepted + rejections),
+        each copy ending in at most one rejection."""
+        return self._accepted / (self._accepted + self._rejected)
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        return self.free(context, k, params)
+
+    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
         start = time.perf_counter()
         tokens = self.lookup(np.asarray(context), self.span or k)
+        if self.price is not None and tokens:
+            tokens = tokens[: self.price(len(tokens), self.acceptance)]
+            if not tokens:  # no verdict comes in while none is copied: drift back toward the prior
+                self._weigh(0.0, 0.0, prior=True)
         probs = None
         if not params.greedy:
             probs = np.zeros((len(tokens), self.vocab_size))
@@ -250,7 +283,14 @@ class LookupDrafter:
         return length
 
     def observe(self, drafted: int, accepted: int) -> None:
-        pass
+        if drafted:
+            self._weigh(accepted, float(accepted < drafted))
+
+    def _weigh(self, accepted: float, rejected: float, prior: bool = False) -> None:
+        """Age the counts by :data:`DECAY` and add a verdict (or, with ``prior``, a share of the prior)."""
+        share = 1 - self.DECAY if prior else 0.0
+        self._accepted = self.DECAY * self._accepted + accepted + share * self.PRIOR[0]
+        self._rejected = self.DECAY * self._rejected + rejected + share * self.PRIOR[1]
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
         return iter(())
@@ -272,13 +312,16 @@ class HybridDrafter:
         self._model_proposed = False  # who made the last proposal: the verdict is for them
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        draft = self.lookup.propose(context, k, params, rng)
+        draft = self.free(context, k, params)
         self._model_proposed = not draft.tokens
         return self.model.propose(context, k, params, rng) if self._model_proposed else draft
 
+    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+        self._model_proposed = False
+        return self.lookup.free(context, k, params)
+
     def observe(self, drafted: int, accepted: int) -> None:
-        if self._model_proposed:
-            self.model.observe(drafted, accepted)
+        (self.model if self._model_proposed else self.lookup).observe(drafted, accepted)
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
         return self.model.catch_up(context, chunk)

@@ -28,15 +28,21 @@ DRAFT_WINDOW = 256
 # Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
 # run costs only verify rows (a 17-token verify ~2x a one-token step; docs/benchmarks.md).
 LOOKUP_SPAN = 16
+# Pass widths the engine times at start besides 2 and K + 1, to price lookup copies up to LOOKUP_SPAN
+# (PassCosts.worth_copying; between them a pass's cost is interpolated).
+COPY_WIDTHS = (9, LOOKUP_SPAN + 1)
 
 
 class DrafterParts:
     """What the modes' drafters are made of, built once per engine and shared: every mode that
-    drafts with the draft model uses the one draft runtime (one KV cache)."""
+    drafts with the draft model uses the one draft runtime (one KV cache). ``price``: how many
+    of the tokens prompt lookup offers are worth verifying on this machine, at an acceptance
+    (``PassCosts.worth_copying``), for the mode that paces itself."""
 
-    def __init__(self, vocab_size: int, draft: Runtime | None):
+    def __init__(self, vocab_size: int, draft: Runtime | None, price: Callable[[int, float], int] | None = None):
         self.vocab_size = vocab_size
         self.draft = draft
+        self.price = price
 
     @cached_property
     def model(self) -> ModelDrafter:
@@ -46,6 +52,11 @@ class DrafterParts:
     @cached_property
     def hybrid(self) -> HybridDrafter:
         return HybridDrafter(LookupDrafter(self.vocab_size, min_match=HYBRID_MIN_MATCH, span=LOOKUP_SPAN), self.model)
+
+    def best(self) -> HybridDrafter:
+        """Hybrid drafting with each lookup copy cut to what pays here."""
+        lookup = LookupDrafter(self.vocab_size, min_match=HYBRID_MIN_MATCH, span=LOOKUP_SPAN, price=self.price)
+        return HybridDrafter(lookup, self.model)
 
     def adaptive(self) -> ModelDrafter:
         assert self.draft is not None
@@ -79,7 +90,7 @@ MODES: dict[str, Mode] = {
             "best",
             "best",
             f"fastest measured here: prompt lookup, else the draft model, at K={BEST_K}, only while it pays",
-            lambda parts: parts.hybrid,
+            DrafterParts.best,
             fixed_k=BEST_K,
             per_k=False,
             paced=True,

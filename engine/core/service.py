@@ -32,7 +32,7 @@ from engine.core.decoding import DecodeConfig, Decoder, PassCosts, Provenance, R
 from engine.core.drafters import Drafter
 from engine.core.memory import return_freed_buffers
 from engine.core.metrics import Baseline, Stats
-from engine.core.modes import BEST_K, MODES, DrafterParts
+from engine.core.modes import BEST_K, COPY_WIDTHS, MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import Session, SessionPool, default_capacity
@@ -267,16 +267,19 @@ class Engine:
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.warm_up()
-        # What a speculative round costs here against a plain step: the paced mode's break-even.
-        self.pass_costs = PassCosts.measure(self.target, self.draft, BEST_K) if self.draft is not None else None
+        # What a speculative round costs here against a plain step: the paced mode's break-even, and
+        # the price of its lookup copies.
+        self.pass_costs = (
+            PassCosts.measure(self.target, self.draft, BEST_K, COPY_WIDTHS) if self.draft is not None else None
+        )
         if self.pass_costs is not None:
             costs = self.pass_costs
             log.info(
-                "pass costs: target step %.1f ms, %d-token verify %.1f ms, draft step %.1f ms: "
-                "speculation pays above %.2f acceptance",
+                "pass costs: target step %.1f ms; passes of %s tokens %s steps; draft step %.1f ms: "
+                "the draft model pays above %.2f acceptance",
                 1e3 * costs.step,
-                costs.k + 1,
-                1e3 * costs.verify,
+                "/".join(str(width) for width, _ in costs.verify),
+                "/".join(f"{costs.ratio(width):.2f}" for width, _ in costs.verify),
                 1e3 * costs.draft,
                 costs.break_even(),
             )
@@ -304,7 +307,8 @@ class Engine:
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
         """Every mode's drafter over one session's draft cache."""
-        parts = DrafterParts(self.target.vocab_size, draft)
+        price = self.pass_costs.worth_copying if self.pass_costs is not None else None
+        parts = DrafterParts(self.target.vocab_size, draft, price)
         return {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
 
     # -- the worker -------------------------------------------------------------------------
