@@ -35,7 +35,7 @@ def pacer_trusts_tiny_models(request, monkeypatch):
 
         monkeypatch.setattr(Pacer, "floor", 0.0)
         monkeypatch.setattr(PassCosts, "break_even", lambda self: 0.0)
-        monkeypatch.setattr(PassCosts, "worth_copying", lambda self, offered, acceptance: offered)
+        monkeypatch.setattr(PassCosts, "worth_copying", lambda self, offered, acceptance, context=0: offered)
 
 
 @pytest.fixture(scope="session")

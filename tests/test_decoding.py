@@ -11,6 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from engine.core.decoding import (
+    REJECTION_CONTEXTS,
     TRY_MARGIN,
     DecodeConfig,
     Pacer,
@@ -469,12 +470,19 @@ def test_pass_costs_are_measured_on_the_engines_runtimes_and_leave_their_caches_
     assert [width for width, _ in costs.verify] == [2, 5, 9, 17]
     assert min(costs.step, costs.draft, *(seconds for _, seconds in costs.verify)) > 0
     assert costs.ratio(1) == 1 and costs.ratio(5) == costs.verify[1][1] / costs.step
+    assert [context for context, _ in costs.rejection] == [target.max_context // 2] < list(REJECTION_CONTEXTS)
     assert not target.tokens and not drafter.runtime.tokens
 
 
-# A target pass over 1, 2, 5, 9 and 17 tokens, in plain steps, as measured on two CPUs (docs/benchmarks.md).
-AVX2 = PassCosts(step=1.0, verify=((2, 1.41), (5, 2.54), (9, 3.2), (17, 5.44)), draft=0.36, k=4)
-AVX512 = PassCosts(step=1.0, verify=((2, 1.05), (5, 1.4), (9, 1.6), (17, 2.0)), draft=0.3, k=4)
+def test_a_rejection_costs_more_the_longer_the_context():
+    assert AVX2.rejection_cost(0) == 0 and AVX2.rejection_cost(500) == pytest.approx(0.175)
+    assert AVX2.rejection_cost(16000) == pytest.approx(12.2) and PassCosts(1.0, (), 0.3, 4).rejection_cost(9000) == 0
+
+
+# A target pass over 1, 2, 5, 9 and 17 tokens, and what a rejection adds after 1,000, 4,000 and
+# 8,000 tokens, in plain steps, as measured on two CPUs (docs/benchmarks.md).
+AVX2 = PassCosts(1.0, ((2, 1.41), (5, 2.54), (9, 3.2), (17, 5.44)), 0.36, 4, ((1000, 0.35), (4000, 1.6), (8000, 6.1)))
+AVX512 = PassCosts(1.0, ((2, 1.05), (5, 1.4), (9, 1.6), (17, 2.0)), 0.3, 4, ((1000, 0.5), (4000, 2.0), (8000, 4.0)))
 
 
 def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine(monkeypatch):
@@ -490,6 +498,17 @@ def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine(monkey
         n = AVX2.worth_copying(16, alpha)
         gains = [expected_tokens(alpha, m) / AVX2.ratio(m + 1) for m in range(1, 17)]
         assert n == 0 or gains[n - 1] == max(gains) >= TRY_MARGIN
+
+
+def test_a_lookup_copy_is_cut_shorter_where_a_rejection_costs_a_long_trim(monkeypatch):
+    """After a rejected token the target's cache is trimmed, a copy of every state, and the plugin
+    regrows its buffers: at 8,000 tokens that costs more than the verify pass, so a copy must land
+    more surely to pay."""
+    monkeypatch.undo()
+    for costs in (AVX2, AVX512):
+        short, long = costs.worth_copying(16, 0.8, context=100), costs.worth_copying(16, 0.8, context=8000)
+        assert long < short
+    assert AVX2.worth_copying(16, 0.99, context=8000) >= 8 and AVX2.worth_copying(16, 1.0, context=8000) == 16
 
 
 def test_a_priced_lookup_learns_how_often_its_copies_land(monkeypatch):

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.core.drafters import Draft, Drafter
 from engine.core.metrics import Stats
-from engine.core.runtime import Runtime, common_prefix
+from engine.core.runtime import Runtime, common_prefix, release_states
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token, top_probability
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
@@ -32,6 +32,8 @@ from engine.errors import ContextLimitError
 # trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
 # round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
 TRY_MARGIN = 1.1
+# Contexts at which the engine times what a rejection costs the target (PassCosts.rejection).
+REJECTION_CONTEXTS = (1000, 4000, 8000)
 # Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most. Every
 # mode prefills this way; with a past, a pass's width does not change its rows' rounding.
 PREFILL_CHUNK = 256
@@ -95,13 +97,17 @@ class PassCosts:
     verify: tuple[tuple[int, float], ...]
     draft: float
     k: int
+    # (context, plain steps at that context) a rejection adds after that many tokens: the exact
+    # trim of the target's cache (a copy of every state) and the plugin regrowing its buffers.
+    rejection: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def measure(
-        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 4
+        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 3
     ) -> PassCosts:
         """Time each pass ``repeats`` times after a short context (the medians): the target's at
-        width 1, 2, ``k`` + 1 and ``widths``; both caches are left empty."""
+        width 1, 2, ``k`` + 1 and ``widths``; and a rejection's rollback at each of
+        :data:`REJECTION_CONTEXTS`. Both caches are left empty."""
 
         def median_pass(runtime: Runtime, width: int) -> float:
             runtime.reset()
@@ -115,8 +121,28 @@ class PassCosts:
             runtime.reset()
             return statistics.median(seconds[1:])
 
+        def rejection(runtime: Runtime, context: int) -> float:
+            """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
+            next step, the trim included, in plain steps at that context (timed once: at 8,000
+            tokens a try costs a second on AVX2)."""
+            shape = runtime.empty_state.shape
+            release_states(runtime.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
+            runtime.hold_loaded([0] * context)
+            runtime.forward([0])  # the plugin regrows its buffers after the states were set
+            start = time.perf_counter()
+            runtime.forward([0])
+            plain = time.perf_counter() - start
+            start = time.perf_counter()
+            runtime.trim(context + 1)
+            runtime.forward([0])
+            extra = time.perf_counter() - start - plain
+            runtime.reset()
+            return max(extra, 0.0) / plain
+
         verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))
-        return cls(median_pass(target, 1), verify, median_pass(draft, draft.pass_width), k)
+        contexts = sorted({min(c, target.max_context // 2) for c in REJECTION_CONTEXTS})
+        rejections = tuple((c, rejection(target, c)) for c in contexts)
+        return cls(median_pass(target, 1), verify, median_pass(draft, draft.pass_width), k, rejections)
 
     def ratio(self, width: int) -> float:
         """What a target pass over ``width`` tokens costs in plain steps (interpolated between the
@@ -129,15 +155,30 @@ class PassCosts:
         :data:`TRY_MARGIN` over plain steps."""
         return break_even_acceptance(TRY_MARGIN * (self.k * self.draft / self.step + self.ratio(self.k + 1)), self.k)
 
-    def worth_copying(self, offered: int, acceptance: float) -> int:
-        """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify, each
-        accepted with probability ``acceptance``: the count whose pass promises the most tokens per
-        plain step's time, if that is at least :data:`TRY_MARGIN`; else 0. Where the verify pass
-        grows fast with its width (an AVX2 CPU: 17 tokens cost 5.4 steps) a long copy pays only
-        where copies land, and where it does not (AVX-512: 2 steps) the whole copy is taken."""
+    def rejection_cost(self, context: int) -> float:
+        """What a rejected token adds after ``context`` tokens, in plain steps: interpolated
+        between the measured contexts, proportional to the context past the last."""
+        if not self.rejection:
+            return 0.0
+        contexts, steps = zip(*self.rejection, strict=True)
+        if context > contexts[-1]:
+            return steps[-1] * context / contexts[-1]
+        return float(np.interp(context, (0, *contexts), (0.0, *steps)))
+
+    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
+        """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify after
+        ``context`` tokens, each accepted with probability ``acceptance``: the count whose round
+        promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`;
+        else 0. A round costs its verify pass and, where a token is rejected, the rollback of the
+        target's cache (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
+        Where the verify pass grows fast with its width (AVX2: 17 tokens cost 5.4 steps) a long
+        copy pays only where copies land, and where it does not (AVX-512: 2 steps) the whole copy
+        is taken."""
+        trim = self.rejection_cost(context)
         best, promised = 0, TRY_MARGIN
         for n in range(1, offered + 1):
-            if (gain := expected_tokens(acceptance, n) / self.ratio(n + 1)) >= promised:
+            cost = self.ratio(n + 1) + (1 - acceptance**n) * trim
+            if (gain := expected_tokens(acceptance, n) / cost) >= promised:
                 best, promised = n, gain
         return best
 

@@ -226,12 +226,12 @@ class LookupDrafter:
         max_ngram: int = 32,
         min_match: int | None = None,
         span: int | None = None,
-        price: Callable[[int, float], int] | None = None,
+        price: Callable[[int, float, int], int] | None = None,
     ):
         """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
         ``span``: copy up to this many tokens per round (default: the round's k). A copied run
         costs no draft pass, only verify rows, so it pays to copy further than a model drafts.
-        ``price``: how many of the offered tokens to copy at a given acceptance."""
+        ``price``: how many of the offered tokens to copy at a given acceptance and context length."""
         self.vocab_size = vocab_size
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
@@ -253,7 +253,7 @@ class LookupDrafter:
         start = time.perf_counter()
         tokens = self.lookup(np.asarray(context), self.span or k)
         if self.price is not None and tokens:
-            tokens = tokens[: self.price(len(tokens), self.acceptance)]
+            tokens = tokens[: self.price(len(tokens), self.acceptance, len(context))]
             if not tokens:  # no verdict comes in while none is copied: drift back toward the prior
                 self._weigh(0.0, 0.0, prior=True)
         probs = None

@@ -29,17 +29,17 @@ DRAFT_WINDOW = 256
 # run costs only verify rows (a 17-token verify ~2x a one-token step; docs/benchmarks.md).
 LOOKUP_SPAN = 16
 # Pass widths the engine times at start besides 2 and K + 1, to price lookup copies up to LOOKUP_SPAN
-# (PassCosts.worth_copying; between them a pass's cost is interpolated).
-COPY_WIDTHS = (9, LOOKUP_SPAN + 1)
+# (PassCosts.worth_copying; between them a pass's cost is interpolated, nearly linear past 2).
+COPY_WIDTHS = (LOOKUP_SPAN + 1,)
 
 
 class DrafterParts:
     """What the modes' drafters are made of, built once per engine and shared: every mode that
     drafts with the draft model uses the one draft runtime (one KV cache). ``price``: how many
-    of the tokens prompt lookup offers are worth verifying on this machine, at an acceptance
-    (``PassCosts.worth_copying``), for the mode that paces itself."""
+    of the tokens prompt lookup offers are worth verifying on this machine, at an acceptance and
+    a context length (``PassCosts.worth_copying``), for the mode that paces itself."""
 
-    def __init__(self, vocab_size: int, draft: Runtime | None, price: Callable[[int, float], int] | None = None):
+    def __init__(self, vocab_size: int, draft: Runtime | None, price: Callable[[int, float, int], int] | None = None):
         self.vocab_size = vocab_size
         self.draft = draft
         self.price = price

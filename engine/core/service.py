@@ -275,12 +275,14 @@ class Engine:
         if self.pass_costs is not None:
             costs = self.pass_costs
             log.info(
-                "pass costs: target step %.1f ms; passes of %s tokens %s steps; draft step %.1f ms: "
-                "the draft model pays above %.2f acceptance",
+                "pass costs: target step %.1f ms; passes of %s tokens %s steps; draft step %.1f ms; "
+                "a rejection %s steps after %s tokens: the draft model pays above %.2f acceptance",
                 1e3 * costs.step,
                 "/".join(str(width) for width, _ in costs.verify),
                 "/".join(f"{costs.ratio(width):.2f}" for width, _ in costs.verify),
                 1e3 * costs.draft,
+                "/".join(f"{steps:.2f}" for _, steps in costs.rejection),
+                "/".join(str(context) for context, _ in costs.rejection),
                 costs.break_even(),
             )
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
