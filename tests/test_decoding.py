@@ -608,3 +608,20 @@ def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_d
     assert sum(hopeless) == 1  # the first try only
     dear = paced_kinds(Pacer(most=5), 100, lambda spec: (0.4 if spec else 0.1, 1))  # 5 landed drafts would pay
     assert sum(dear) > 2
+
+
+def test_a_paced_round_runs_the_lookup_once_where_it_found_nothing(pair, monkeypatch):
+    """A paced round asks for a free draft first; where there is none and the draft model runs,
+    the hybrid does not search (and drift its acceptance) a second time in the same round."""
+    target, model = pair
+    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=lambda offered, acceptance, context: 0), model)
+    calls = []
+    monkeypatch.setattr(hybrid.lookup, "lookup", lambda context, k: calls.append(len(context)) or [7, 8])
+    context, params = [1, 2, 3, 1, 2], SamplingParams()
+    model.runtime.reset()
+    assert not hybrid.free(context, 2, params).tokens
+    assert hybrid.propose(context, 2, params, np.random.default_rng(0)).tokens and calls == [5]
+    hybrid.rollback(context)
+    hybrid.propose(context, 2, params, np.random.default_rng(0))
+    assert calls == [5, 5]  # a new round searches again
+    model.runtime.reset()
