@@ -34,7 +34,7 @@ def pacer_trusts_tiny_models(request, monkeypatch):
         from engine.core.decoding import Pacer, PassCosts
 
         monkeypatch.setattr(Pacer, "floor", 0.0)
-        monkeypatch.setattr(PassCosts, "break_even", lambda self: 0.0)
+        monkeypatch.setattr(PassCosts, "break_even", lambda self, context=0: 0.0)
         monkeypatch.setattr(PassCosts, "worth_copying", lambda self, offered, acceptance, context=0: offered)
 
 

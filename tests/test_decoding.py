@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -14,8 +15,11 @@ from engine.core.decoding import (
     REJECTION_CONTEXTS,
     TRY_MARGIN,
     DecodeConfig,
+    Decoder,
     Pacer,
     PassCosts,
+    Provenance,
+    Round,
     break_even_acceptance,
     decode,
     expected_tokens,
@@ -456,11 +460,16 @@ def test_the_pacer_does_not_try_speculation_below_the_machines_break_even(monkey
     assert not any(unsure) and any(sure)
 
 
+def flat(level: float) -> Callable[[int], float]:
+    """A machine's break-even acceptance, the same at every context length."""
+    return lambda context: level
+
+
 def test_paced_decoding_where_no_round_can_pay_runs_plain_steps_only(pair, tok):
     target, drafter = pair
     prompt = tok.encode(PROMPTS[3])
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=math.inf)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=flat(math.inf))
     assert tokens == expected and stats.drafted == 0 and not drafter.runtime.tokens
 
 
@@ -471,6 +480,7 @@ def test_pass_costs_are_measured_on_the_engines_runtimes_and_leave_their_caches_
     assert min(costs.step, costs.draft, *(seconds for _, seconds in costs.verify)) > 0
     assert costs.ratio(1) == 1 and costs.ratio(5) == costs.verify[1][1] / costs.step
     assert [context for context, _ in costs.rejection] == [target.max_context // 2] < list(REJECTION_CONTEXTS)
+    assert [context for context, _ in costs.long_verify] == [target.max_context // 2]
     assert not target.tokens and not drafter.runtime.tokens
 
 
@@ -538,7 +548,7 @@ def test_where_the_draft_model_cannot_pay_lookup_copies_still_run_and_the_answer
     for text in PROMPTS:
         prompt = tok.encode(text)
         expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
-        tokens, stats = run(target, hybrid, prompt, k=4, max_new_tokens=40, paced=True, break_even=math.inf)
+        tokens, stats = run(target, hybrid, prompt, k=4, max_new_tokens=40, paced=True, break_even=flat(math.inf))
         assert tokens == expected
         drafted += stats.drafted
     assert drafted > 0 and model.runtime.passes == passes
@@ -625,3 +635,62 @@ def test_a_paced_round_runs_the_lookup_once_where_it_found_nothing(pair, monkeyp
     hybrid.propose(context, 2, params, np.random.default_rng(0))
     assert calls == [5, 5]  # a new round searches again
     model.runtime.reset()
+
+
+def test_a_round_needs_surer_drafts_the_longer_the_context(monkeypatch):
+    """After thousands of tokens a verify pass of K + 1 tokens costs several plain steps (its rows'
+    attention over the context) and a rejection's trim a few more: the acceptance a round needs
+    rises with the context, past what prose reaches, and where not even a round that keeps every
+    token pays, the pacer does not try one."""
+    monkeypatch.undo()
+    long = replace(AVX512, long_verify=((1000, 1.6), (4000, 2.6), (8000, 4.1)))
+    assert long.ratio(5, 0) == AVX512.ratio(5) and long.ratio(5, 4000) == pytest.approx(2.6)
+    assert long.ratio(2, 4000) == pytest.approx(1.05 + (2.6 - 1.4) / 4)
+    assert long.ratio(5, 16000) == pytest.approx(1.4 + 5.4)  # past the last context: proportional
+    levels = [long.break_even(context) for context in (0, 1000, 2000, 4000, 8000)]
+    assert levels == sorted(levels) and levels[0] == AVX512.break_even() < 0.8
+    assert levels[2] > 0.85 and levels[-1] == math.inf
+    alpha = break_even_acceptance(3.0, 4, rejection=1.0)  # the round's tokens pay for its cost
+    assert expected_tokens(alpha, 4) == pytest.approx(3.0 + (1 - alpha**4) * 1.0)
+    assert alpha > break_even_acceptance(3.0, 4) and break_even_acceptance(0.5, 4, rejection=0.4) == 0.0
+
+
+def test_the_pacer_asks_for_the_break_even_at_the_requests_context(pair, tok):
+    """A paced request whose break-even is out of reach past its prompt never drafts with the
+    model, and answers as autoregressive decoding does."""
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[3])
+    asked: list[int] = []
+
+    def break_even(context: int) -> float:
+        asked.append(context)
+        return 0.0 if context == 0 else math.inf
+
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
+    _reset(drafter)
+    passes = drafter.runtime.passes
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=break_even)
+    assert tokens == expected and stats.drafted == 0 and drafter.runtime.passes == passes
+    assert asked[0] == 0 and len(prompt) in asked and max(asked) < len(prompt) + 20
+
+
+def test_a_paced_request_keeps_one_pacer_for_code_and_one_for_the_text_around_it(pair, tok):
+    """Each fence token moves the answer into a code block or out of it, and the pacer with it:
+    what speculation did in the prose before a block does not hold it back inside, and back in
+    prose the pacer finds what it learned there. The answer stays the autoregressive one."""
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[0])
+    decoder = Decoder(target, drafter, prompt, DecodeConfig(k=4, paced=True, fence_ids=frozenset({7, 9})), Stats("t"))
+    prose = decoder.pacer
+    decoder._accept(Round([5, 7, 6], [Provenance.AUTOREGRESSIVE] * 3))
+    code = decoder.pacer
+    assert decoder.in_code and code is not prose and code is not None
+    decoder._accept(Round([9, 5, 7], [Provenance.AUTOREGRESSIVE] * 3))  # out and back in within one round
+    assert decoder.pacer is code
+    decoder._accept(Round([9], [Provenance.AUTOREGRESSIVE]))
+    assert not decoder.in_code and decoder.pacer is prose
+    assert Decoder(target, None, prompt, DecodeConfig(speculative=False), Stats("t")).pacer is None
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=30)
+    fences = frozenset(expected[3::4])  # tokens of the answer itself: the regime flips along it
+    tokens, _ = run(target, drafter, prompt, k=4, max_new_tokens=30, paced=True, fence_ids=fences)
+    assert tokens == expected

@@ -56,7 +56,12 @@ class DecodeConfig:
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
     progress: Callable[[], None] = lambda: None  # called after every prefill chunk
     paced: bool = False  # speculate only while it pays (Pacer)
-    break_even: float = 0.0  # the acceptance a speculative round needs to pay on this machine (PassCosts)
+    # The acceptance a speculative round needs to pay on this machine after a context of so many
+    # tokens (PassCosts.break_even).
+    break_even: Callable[[int], float] = lambda context: 0.0  # no machine figures: any round may pay
+    # Tokens that open or close a code block (they hold a ```): a paced request keeps one pacer for
+    # code and one for the text around it.
+    fence_ids: frozenset[int] = frozenset()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -66,19 +71,23 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def break_even_acceptance(ratio: float, k: int) -> float:
+def break_even_acceptance(ratio: float, k: int, rejection: float = 0.0) -> float:
     """The per-token acceptance rate at which a round of ``k`` drafted tokens that costs ``ratio``
-    plain target steps yields as many tokens per second as plain steps: its expected tokens equal
-    ``ratio``. 0 where any round pays; infinite where not even a round that keeps every drafted
-    token does."""
-    if ratio <= 1:
+    plain target steps, and ``rejection`` more where not all of them are accepted, yields as many
+    tokens per second as plain steps: its expected tokens equal its expected cost. 0 where any
+    round pays; infinite where not even a round that keeps every drafted token does."""
+
+    def cost(alpha: float) -> float:
+        return ratio + (1 - alpha**k) * rejection
+
+    if cost(0.0) <= 1:
         return 0.0
     if ratio >= k + 1:
         return math.inf
     low, high = 0.0, 1.0
     for _ in range(40):
         alpha = (low + high) / 2
-        if expected_tokens(alpha, k) < ratio:
+        if expected_tokens(alpha, k) < cost(alpha):
             low = alpha
         else:
             high = alpha
@@ -100,70 +109,88 @@ class PassCosts:
     # (context, plain steps at that context) a rejection adds after that many tokens: the exact
     # trim of the target's cache (a copy of every state) and the plugin regrowing its buffers.
     rejection: tuple[tuple[int, float], ...] = ()
+    # (context, plain steps at that context) a pass over K + 1 tokens costs after that many tokens:
+    # attention for several rows grows with the context faster than a single row's (on an AVX-512
+    # CPU 1.3 steps after 16 tokens, 2.4 after 2,000; docs/benchmarks.md, "What a pass costs as the
+    # context grows").
+    long_verify: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def measure(
         cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 3
     ) -> PassCosts:
         """Time each pass ``repeats`` times after a short context (the medians): the target's at
-        width 1, 2, ``k`` + 1 and ``widths``; and a rejection's rollback at each of
-        :data:`REJECTION_CONTEXTS`. Both caches are left empty."""
+        width 1, 2, ``k`` + 1 and ``widths``; and, at each of :data:`REJECTION_CONTEXTS`, a
+        rejection's rollback and a pass over ``k`` + 1 tokens. Both caches are left empty."""
+
+        def timed(runtime: Runtime, width: int) -> float:
+            start = time.perf_counter()
+            runtime.forward([0] * width, rows=width)
+            return time.perf_counter() - start
 
         def median_pass(runtime: Runtime, width: int) -> float:
             runtime.reset()
             runtime.forward([0] * 16)
             seconds = []
             for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
-                start = time.perf_counter()
-                runtime.forward([0] * width, rows=width)
-                seconds.append(time.perf_counter() - start)
+                seconds.append(timed(runtime, width))
                 runtime.trim(16)
             runtime.reset()
             return statistics.median(seconds[1:])
 
-        def rejection(runtime: Runtime, context: int) -> float:
+        def at_context(runtime: Runtime, context: int) -> tuple[float, float]:
             """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
-            next step, the trim included, in plain steps at that context (timed once: at 8,000
-            tokens a try costs a second on AVX2)."""
+            next step, the trim included, and what a pass over K + 1 tokens costs there, both in
+            plain steps at that context (timed once: at 8,000 tokens a try costs a second on AVX2)."""
             shape = runtime.empty_state.shape
             release_states(runtime.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
             runtime.hold_loaded([0] * context)
             runtime.forward([0])  # the plugin regrows its buffers after the states were set
-            start = time.perf_counter()
-            runtime.forward([0])
-            plain = time.perf_counter() - start
+            plain = timed(runtime, 1)
             start = time.perf_counter()
             runtime.trim(context + 1)
             runtime.forward([0])
             extra = time.perf_counter() - start - plain
+            runtime.forward([0] * (k + 1), rows=k + 1)  # the first pass of this shape sets it up
+            verify = timed(runtime, k + 1)
             runtime.reset()
-            return max(extra, 0.0) / plain
+            return max(extra, 0.0) / plain, verify / plain
 
         verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))
         contexts = sorted({min(c, target.max_context // 2) for c in REJECTION_CONTEXTS})
-        rejections = tuple((c, rejection(target, c)) for c in contexts)
-        return cls(median_pass(target, 1), verify, median_pass(draft, draft.pass_width), k, rejections)
+        long = [(c, at_context(target, c)) for c in contexts]
+        return cls(
+            median_pass(target, 1),
+            verify,
+            median_pass(draft, draft.pass_width),
+            k,
+            rejection=tuple((c, rejection) for c, (rejection, _) in long),
+            long_verify=tuple((c, ratio) for c, (_, ratio) in long),
+        )
 
-    def ratio(self, width: int) -> float:
-        """What a target pass over ``width`` tokens costs in plain steps (interpolated between the
-        measured widths: on both kinds of CPU measured, nearly linear past 2)."""
+    def ratio(self, width: int, context: int = 0) -> float:
+        """What a target pass over ``width`` tokens costs in plain steps after ``context`` tokens:
+        interpolated between the widths measured after a short context (on both kinds of CPU
+        measured, nearly linear past 2), plus what the context adds to a pass of K + 1 tokens,
+        shared evenly among its rows past the first."""
+        verify = self._short_ratio(self.k + 1)
+        added = _over_contexts(context, tuple((c, max(ratio - verify, 0.0)) for c, ratio in self.long_verify))
+        return self._short_ratio(width) + (width - 1) / self.k * added
+
+    def _short_ratio(self, width: int) -> float:
         widths, seconds = zip(*((1, self.step), *self.verify), strict=True)
         return float(np.interp(width, widths, seconds)) / self.step
 
-    def break_even(self) -> float:
-        """The draft's acceptance rate at which a round of K drafted tokens promises
-        :data:`TRY_MARGIN` over plain steps."""
-        return break_even_acceptance(TRY_MARGIN * (self.k * self.draft / self.step + self.ratio(self.k + 1)), self.k)
+    def break_even(self, context: int = 0) -> float:
+        """The draft's acceptance rate at which a round of K drafted tokens after ``context``
+        tokens promises :data:`TRY_MARGIN` over plain steps: its draft steps and verify pass, and
+        the target's rollback where a drafted token is rejected."""
+        round_ = self.k * self.draft / self.step + self.ratio(self.k + 1, context)
+        return break_even_acceptance(TRY_MARGIN * round_, self.k, TRY_MARGIN * self.rejection_cost(context))
 
     def rejection_cost(self, context: int) -> float:
-        """What a rejected token adds after ``context`` tokens, in plain steps: interpolated
-        between the measured contexts, proportional to the context past the last."""
-        if not self.rejection:
-            return 0.0
-        contexts, steps = zip(*self.rejection, strict=True)
-        if context > contexts[-1]:
-            return steps[-1] * context / contexts[-1]
-        return float(np.interp(context, (0, *contexts), (0.0, *steps)))
+        """What a rejected token adds after ``context`` tokens, in plain steps."""
+        return _over_contexts(context, self.rejection)
 
     def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
         """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify after
@@ -177,10 +204,21 @@ class PassCosts:
         trim = self.rejection_cost(context)
         best, promised = 0, TRY_MARGIN
         for n in range(1, offered + 1):
-            cost = self.ratio(n + 1) + (1 - acceptance**n) * trim
+            cost = self.ratio(n + 1, context) + (1 - acceptance**n) * trim
             if (gain := expected_tokens(acceptance, n) / cost) >= promised:
                 best, promised = n, gain
         return best
+
+
+def _over_contexts(context: int, measured: tuple[tuple[int, float], ...]) -> float:
+    """A figure measured at a few contexts (none: 0), at ``context``: interpolated between them
+    from 0 at an empty cache, proportional to the context past the last."""
+    if not measured:
+        return 0.0
+    contexts, values = zip(*measured, strict=True)
+    if context > contexts[-1]:
+        return values[-1] * context / contexts[-1]
+    return float(np.interp(context, (0, *contexts), (0.0, *values)))
 
 
 @dataclass
@@ -305,14 +343,24 @@ class Decoder:
         self.speculative = config.speculative and drafter is not None and config.k > 0
         # Where no round of the draft model can pay on this machine (break-even above 1), a paced
         # request never runs it, nor watches for a chance to: only its free drafts remain.
-        self.modelled = self.speculative and not (config.paced and config.break_even > 1)
-        self.pacer = Pacer(most=config.k + 1, break_even=config.break_even) if config.paced and self.modelled else None
+        self.modelled = self.speculative and not (config.paced and config.break_even(0) > 1)
+        # The draft agrees with the target far more often in code than in the prose around it
+        # (docs/design.md, "Speculating only while it pays"): what a pacer learned on one says little
+        # about the other, so each keeps its own, and an answer moving into a code block starts
+        # trying speculation there at once, without waiting out an interval learned on prose.
+        self._pacers = (Pacer(most=config.k + 1), Pacer(most=config.k + 1)) if config.paced and self.modelled else None
+        self.in_code = False  # inside a code block of the answer (an odd number of fences so far)
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
+
+    @property
+    def pacer(self) -> Pacer | None:
+        """The pacer of the kind of text the answer is in (code or not), if paced."""
+        return None if self._pacers is None else self._pacers[self.in_code]
 
     def prefill(self) -> Iterator[None]:
         """The prompt's passes but the last (which gives the first token's logits), in chunks;
@@ -339,6 +387,8 @@ class Decoder:
     def _speculates(self, limit: int) -> bool:
         """Whether the next round drafts with the drafter's model (``limit``: drafted tokens that
         fit)."""
+        if self.pacer is not None:  # a round costs more the longer the context
+            self.pacer.break_even = self.config.break_even(len(self.context))
         paced = self.pacer is None or self.pacer.speculate()
         return self.modelled and self.stats.rounds > 0 and limit > 0 and paced
 
@@ -410,6 +460,7 @@ class Decoder:
             self.stats.finish_reason = "stop"
             self.done = True
         self.context += round_.tokens
+        self.in_code ^= sum(token in self.config.fence_ids for token in round_.tokens) % 2 == 1
         self.stats.rounds += 1
         self.stats.add_tokens(len(round_.tokens))
         self.stats.target_kv_bytes = self.target.kv_cache_bytes

@@ -276,16 +276,20 @@ class Engine:
             costs = self.pass_costs
             log.info(
                 "pass costs: target step %.1f ms; passes of %s tokens %s steps; draft step %.1f ms; "
-                "a rejection %s steps after %s tokens: the draft model pays above %.2f acceptance",
+                "after %s tokens a rejection adds %s steps and a %d-token pass costs %s: the draft model pays "
+                "above %s acceptance (a short context first)",
                 1e3 * costs.step,
                 "/".join(str(width) for width, _ in costs.verify),
                 "/".join(f"{costs.ratio(width):.2f}" for width, _ in costs.verify),
                 1e3 * costs.draft,
-                "/".join(f"{steps:.2f}" for _, steps in costs.rejection),
                 "/".join(str(context) for context, _ in costs.rejection),
-                costs.break_even(),
+                "/".join(f"{steps:.2f}" for _, steps in costs.rejection),
+                BEST_K + 1,
+                "/".join(f"{ratio:.2f}" for _, ratio in costs.long_verify),
+                "/".join(f"{costs.break_even(c):.2f}" for c in (0, *(c for c, _ in costs.rejection))),
             )
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
+        self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
         self.max_context = self.target.max_context
         self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
@@ -606,7 +610,8 @@ class Engine:
             cancelled=cancel.is_set,
             progress=self._mark_progress,
             paced=mode.paced,
-            break_even=self.pass_costs.break_even() if mode.paced and self.pass_costs is not None else 0.0,
+            fence_ids=self.fence_ids,
+            **({"break_even": self.pass_costs.break_even} if mode.paced and self.pass_costs is not None else {}),
         )
 
     def _mark_progress(self) -> None:
