@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -173,9 +174,14 @@ class PassCosts:
         interpolated between the widths measured after a short context (on both kinds of CPU
         measured, nearly linear past 2), plus what the context adds to a pass of K + 1 tokens,
         shared evenly among its rows past the first."""
+        return self._short_ratio(width) + (width - 1) / self.k * _over_contexts(context, self._context_added)
+
+    @cached_property
+    def _context_added(self) -> tuple[tuple[int, float], ...]:
+        """(context, what it adds to a pass over K + 1 tokens, in plain steps): worked out once, as
+        :meth:`ratio` is asked for every width a lookup copy might take, every round."""
         verify = self._short_ratio(self.k + 1)
-        added = _over_contexts(context, tuple((c, max(ratio - verify, 0.0)) for c, ratio in self.long_verify))
-        return self._short_ratio(width) + (width - 1) / self.k * added
+        return tuple((c, max(ratio - verify, 0.0)) for c, ratio in self.long_verify)
 
     def _short_ratio(self, width: int) -> float:
         widths, seconds = zip(*((1, self.step), *self.verify), strict=True)
