@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.core.drafters import Draft, Drafter
 from engine.core.metrics import Stats
-from engine.core.runtime import Runtime, common_prefix, release_states
+from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token, top_probability
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
@@ -143,9 +143,7 @@ class PassCosts:
             """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
             next step, the trim included, and what a pass over K + 1 tokens costs there, both in
             plain steps at that context (timed once: at 8,000 tokens a try costs a second on AVX2)."""
-            shape = runtime.empty_state.shape
-            release_states(runtime.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
-            runtime.hold_loaded([0] * context)
+            runtime.fill(context)
             runtime.forward([0])  # the plugin regrows its buffers after the states were set
             plain = timed(runtime, 1)
             start = time.perf_counter()

@@ -221,6 +221,13 @@ class Runtime:
         if len(tokens) > len(self.tokens):
             self.forward(tokens[len(self.tokens) :])
 
+    def fill(self, context: int) -> None:
+        """Make the cache hold ``context`` entries of zeros, the states set directly (no prefill):
+        what a pass costs at a length, without paying for the prompt first."""
+        shape = self.empty_state.shape
+        release_states(self.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
+        self.hold_loaded([0] * context)
+
     def hold_loaded(self, tokens: Sequence[int]) -> None:
         """The states were just set from outside (a batch row copied back): they hold ``tokens``."""
         self.tokens = list(tokens)
