@@ -4,6 +4,7 @@ does, its rollback is a length, and the side-by-side timing runs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.tools import paged_probe
@@ -42,3 +43,11 @@ def test_the_probe_times_both_forms_at_each_context(ir_target):
     assert [r["form"] for r in rows] == ["stateful", "paged"]
     assert all(r["context"] == 64 and r["step_ms"] > 0 and r["pass_ms"] > 0 and r["rejection_ms"] > 0 for r in rows)
     assert len(stateful.tokens) == paged.length  # both forms ran the same passes
+
+
+def test_a_pass_past_the_allocated_blocks_is_refused(ir_target):
+    _, paged = _pair(ir_target)
+    paged.fill(paged.capacity - 1)
+    with pytest.raises(ValueError, match="exceed"):
+        paged.forward([5, 6])
+    assert paged.length == paged.capacity - 1  # nothing was written

@@ -54,10 +54,10 @@ class PagedCache:
     table that is the identity), allocated once for ``capacity`` tokens."""
 
     def __init__(self, compiled: ov.CompiledModel, capacity: int):
-        self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.block = compiled.input("key_cache.0").get_partial_shape()[2].get_length()
         blocks = -(-capacity // self.block)
+        self.capacity = blocks * self.block
         for port in compiled.inputs:
             if "_cache." in port.get_any_name():
                 shape = [d.get_length() if d.is_static else blocks for d in port.get_partial_shape()]
@@ -75,6 +75,8 @@ class PagedCache:
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens``; return the logits of every one of them."""
         n, past = len(tokens), self.length
+        if past + n > self.capacity:
+            raise ValueError(f"{past + n} tokens exceed the {self.capacity} the cache was allocated for")
         blocks = -(-(past + n) // self.block)
         self.request.infer(
             {
