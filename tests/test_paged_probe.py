@@ -29,12 +29,13 @@ def test_the_paged_form_computes_the_stateful_rows_and_rolls_back_by_its_length(
 def test_a_paged_rollback_forgets_what_was_written_after_it(ir_target):
     """Entries past the kept length are overwritten by the next pass, never read."""
     _, paged = _pair(ir_target)
-    first = paged.forward([7, 8, 9, 10])
+    paged.forward([7, 8, 9, 10])
     paged.trim(2)
-    paged.forward([11, 12])  # written over entries 2 and 3
+    first = paged.forward([9, 10])  # (the same width as below: rows of other widths may round differently)
     paged.trim(2)
-    again = paged.forward([9, 10])
-    np.testing.assert_array_equal(again, first[2:])
+    paged.forward([11, 12, 13])  # written over entries 2 to 4
+    paged.trim(2)
+    np.testing.assert_array_equal(paged.forward([9, 10]), first)
 
 
 def test_the_probe_times_both_forms_at_each_context(ir_target):
