@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from engine.core import decoding
 from engine.core.decoding import (
     REJECTION_CONTEXTS,
     TRY_MARGIN,
@@ -445,19 +446,37 @@ def test_the_pacer_tries_speculation_only_where_the_target_looks_predictable(mon
 
 
 def test_the_pacer_does_not_try_speculation_below_the_machines_break_even(monkeypatch):
-    """Where a round costs four plain steps (an AVX2 CPU), drafts must land nine times in ten: a
-    target 85% sure of its tokens is not worth a try there, one 95% sure is."""
+    """Where a round costs 1.9 plain steps, a target 70% sure of its tokens is not worth a try,
+    one 85% sure is. Where it costs four (an AVX2 CPU), drafts must land more than nine times in
+    ten, more than the draft agrees with the target even on code: not even a target 97% sure of
+    its tokens is worth a try there."""
     monkeypatch.undo()  # the real floor and break-even (conftest sets both to 0 for tiny models)
     assert break_even_acceptance(0.9, 4) == 0.0 and break_even_acceptance(5.0, 4) == math.inf
     alpha = break_even_acceptance(4.0, 4)
     assert 0.88 < alpha < 0.9 and (1 - alpha**5) / (1 - alpha) == pytest.approx(4.0)
-    costs = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
-    assert (
-        costs.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4)) and costs.break_even() > alpha
-    )
-    unsure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.85)
-    sure = paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: 0.95)
-    assert not any(unsure) and any(sure)
+    avx2 = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
+    assert avx2.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4)) and avx2.break_even() > alpha
+    assert AVX512.break_even() < Pacer.floor < Pacer.ceiling < avx2.break_even()
+
+    def tries(costs: PassCosts, confidence: float) -> bool:
+        return any(paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: confidence))
+
+    assert not tries(AVX512, 0.7) and tries(AVX512, 0.85)
+    assert not tries(avx2, 0.85) and not tries(avx2, 0.97)
+
+
+def test_where_the_draft_cannot_reach_the_break_even_a_paced_request_never_runs_it(pair, tok, monkeypatch):
+    """A break-even above the pacer's ceiling (an AVX2 CPU that measured a round at just under its
+    price) leaves only free drafts, even where the target is sure of every token: the draft model
+    never runs, nor reads the conversation."""
+    monkeypatch.setattr(decoding, "top_probability", lambda logits: 0.99)
+    target, drafter = pair
+    prompt = tok.encode(PROMPTS[3])
+    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
+    _reset(drafter)
+    passes = drafter.runtime.passes
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=flat(0.95))
+    assert tokens == expected and stats.drafted == 0 and drafter.runtime.passes == passes
 
 
 def flat(level: float) -> Callable[[int], float]:

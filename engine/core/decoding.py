@@ -244,13 +244,18 @@ class Pacer:
     while it pays"), so the pacer keeps an average of that probability over the plain steps and
     tries speculation only while it is at least ``floor``, and at least the acceptance a round
     needs to pay on this machine (``break_even``, from :class:`PassCosts`); a request starts with
-    ``lead`` plain steps to measure it. Which kind runs changes the passes only: every round's
+    ``lead`` plain steps to measure it. That confidence runs ahead of the draft where the target is
+    sure of code: teacher-forced on held-out coding answers the draft agrees with 0.89 of the
+    target's tokens (docs/benchmarks.md, "A layer-pruned draft"), so where a round needs more than
+    ``ceiling`` (an AVX2 CPU, thousands of tokens of history) speculation is not tried at all: every
+    try measured there lost time. Which kind runs changes the passes only: every round's
     tokens follow the target's rule, so greedy output is the same and sampled output keeps its
     distribution.
     """
 
     lead: ClassVar[int] = 2
     floor: ClassVar[float] = 0.75
+    ceiling: ClassVar[float] = 0.9  # the most acceptance a round may need (the draft's agreement on code)
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
     break_even: float = 0.0  # the acceptance a round needs to pay here (PassCosts.break_even)
     min_interval: int = 8
@@ -277,7 +282,8 @@ class Pacer:
         return self.seconds[True] / self.most < self.cost(False)
 
     def _promising(self) -> bool:
-        return self.observed >= self.lead and self.confidence >= max(self.floor, self.break_even)
+        reachable = self.break_even <= self.ceiling
+        return reachable and self.observed >= self.lead and self.confidence >= max(self.floor, self.break_even)
 
     def observe(self, top_probability: float) -> None:
         """The target's top probability at a plain step."""
@@ -345,9 +351,10 @@ class Decoder:
             )
         self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
         self.speculative = config.speculative and drafter is not None and config.k > 0
-        # Where no round of the draft model can pay on this machine (break-even above 1), a paced
-        # request never runs it, nor watches for a chance to: only its free drafts remain.
-        self.modelled = self.speculative and not (config.paced and config.break_even(0) > 1)
+        # Where no round of the draft model can pay on this machine (its break-even above what the
+        # draft reaches), a paced request never runs it, nor watches for a chance to: only its free
+        # drafts remain.
+        self.modelled = self.speculative and not (config.paced and config.break_even(0) > Pacer.ceiling)
         # The draft agrees with the target far more often in code than in the prose around it
         # (docs/design.md, "Speculating only while it pays"): what a pacer learned on one says little
         # about the other, so each keeps its own, and an answer moving into a code block starts
