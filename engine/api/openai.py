@@ -22,8 +22,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.core.service import Engine, Event, Loading, Stream
+from engine.core.service import Event, Stream
 from engine.core.service import Request as EngineRequest
+from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -96,7 +97,7 @@ def usage(metrics: dict) -> dict[str, Any]:
     }
 
 
-def build_router(engine: Engine | Loading, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
+def build_router(engine: EngineClient, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
     """The API's routes over ``engine``; ``models`` describes the pair for ``/health``."""
     router = APIRouter()
 

@@ -29,9 +29,8 @@ from typing import Any
 
 from engine.cli import is_loopback
 from engine.cluster import APP_NAME, ENGINE
-from engine.core.modes import MODES
-from engine.core.service import Loading
 from engine.errors import EngineError
+from engine.interface import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]  # where `engine` and `app` are imported from on every node
 LOCAL = "local"  # --ray without an address: start a Ray instance in this process
@@ -120,7 +119,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cluster-config", metavar="FILE", help="a TOML file with a [cluster] table of these settings")
 
 
-def application(args: argparse.Namespace, settings: ClusterSettings, web: Callable[[Any], Any]) -> Any:
+def application(args: argparse.Namespace, settings: ClusterSettings, web: Callable[[EngineClient], Any]) -> Any:
     """The Serve application: the ingress (``web(engine)`` builds its ASGI app) over the replicas."""
     from ray import serve
 
@@ -159,7 +158,7 @@ def connect(address: str | None) -> None:
     )
 
 
-def deploy(args: argparse.Namespace, web: Callable[[Any], Any]) -> str:
+def deploy(args: argparse.Namespace, web: Callable[[EngineClient], Any]) -> str:
     """Deploy the app on the cluster ``args.ray`` names, serving HTTP on ``args.host:args.port``
     (on the head node); return its URL once the ingress answers."""
     from ray import serve
@@ -176,7 +175,7 @@ def deploy(args: argparse.Namespace, web: Callable[[Any], Any]) -> str:
     return f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
 
 
-def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
+def serve_forever(args: argparse.Namespace, web: Callable[[EngineClient], Any]) -> int:
     """``specchat serve --ray``: deploy, say where, serve until interrupted, then take the
     application down, and Serve with it if it serves nothing else (the cluster stays)."""
     from ray import serve
@@ -193,8 +192,3 @@ def serve_forever(args: argparse.Namespace, web: Callable[[Any], Any]) -> int:
         if not serve.status().applications:  # (Serve keeps its port until it is shut down)
             serve.shutdown()
     return 0
-
-
-def waiting_engine(load: Callable[[], Any]) -> Loading:
-    """The remote engine as the page shows it while the first replica loads."""
-    return Loading(load, tuple(MODES), progress_logger="specchat.cluster")
