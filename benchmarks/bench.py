@@ -1,6 +1,6 @@
 """Benchmark: modes compared as ratios in one process, alternating per prompt.
 
-    python -m engine.tools.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 \
+    python -m benchmarks.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 \
         --k 3,4,5 --modes ar,sd,genai-ar,genai-sd --json bench-results/coding.json
 
 Modes: ``ar`` (own autoregressive), ``sd`` (own speculative with the draft model),
@@ -10,7 +10,7 @@ default: the fastest exact configuration), ``genai-ar`` / ``genai-sd``
 (openvino-genai's LLMPipeline on the same IRs, without / with ``draft_model``),
 ``llamacpp`` / ``llamacpp-sd`` (llama.cpp's server on the same GGUF files, without / with
 the draft at each K), ``llamacpp-best`` (its fastest speculative configuration on this
-machine, ``llamacpp.BEST``; built once by ``python -m engine.tools.llamacpp``).
+machine, ``llamacpp.BEST``; built once by ``python -m benchmarks.llamacpp``).
 Modes that draft run once per K, except ``pld`` (it copies up to its own span) and
 ``best`` (it picks its own K). Every run starts with empty KV caches and greedy decoding.
 """
@@ -29,14 +29,16 @@ from typing import Protocol
 
 import numpy as np
 
+from benchmarks import llamacpp
+from benchmarks.report import add_output_arguments, write_text
+from engine import report
 from engine.cli import CODING_PROMPTS
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.runtime import Runtime
 from engine.core.service import Engine, Request
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
-from engine.tools import llamacpp, report
-from engine.tools.report import Column, markdown_table, speedup, write_text
+from engine.report import Column, markdown_table, speedup
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best")
@@ -240,7 +242,7 @@ def chat_history(engine: Engine, tokens: int) -> tuple[dict, ...]:
     source pasted in a first turn, and a short reply (a coding chat a few turns in)."""
     if not tokens:
         return ()
-    source = "".join(p.read_text() for p in sorted(Path(__file__).resolve().parents[1].rglob("*.py")))
+    source = "".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "engine").rglob("*.py")))
     pasted = engine.text(engine.tokenizer.encode(source)[:tokens])
     return (
         {"role": "user", "content": f"Here is the code of my project:\n\n{pasted}"},
@@ -287,15 +289,14 @@ def run_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
     parser.add_argument(
         "--modes", default="ar,sd", help=f"comma separated, of: {', '.join([*BY_SHORT_NAME, *PEER_MODES])}"
     )
-    parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
-    parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    add_output_arguments(parser)
     parser.add_argument(
         "--draft-vocab",
         type=int,

@@ -1,8 +1,8 @@
 """What a browser on the server's own CPU costs decoding: one answer from the engine alone, then
 the same prompt streamed in headless Chromium on this machine (the real default pair).
 
-    python -m tests.browser_cost                 # "LRU cache class", best, 256 new tokens, twice
-    python -m tests.browser_cost --runs 3 --tokens 128
+    python -m benchmarks.browser_cost                 # "LRU cache class", best, 256 new tokens, twice
+    python -m benchmarks.browser_cost --runs 3 --tokens 128
 
 Prints tokens/s (the engine's own figure, as the answer's footer shows it) and the CPU seconds
 Chromium used over each answer (from /proc). docs/benchmarks.md, "The chat in a browser".
@@ -16,12 +16,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from playwright.sync_api import sync_playwright
-
 import app
+from benchmarks.chromium import FOOTERS, chromium, set_cap
+from engine.cli import free_port
 from engine.core.service import Request
-from tests.test_app import serve
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, FOOTERS
+from engine.startup import start_engine
+from ui.launch import launch
+from ui.page import build_app, load_examples
 
 
 def chromium_cpu_s() -> float:
@@ -39,26 +40,25 @@ def chromium_cpu_s() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.browser_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--example", default="LRU cache class")
     parser.add_argument("--mode", default="best")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    engine = app.start_engine(app.parse_args([]))  # the default pair, prepared as `make run` does
-    prompt = next(e["prompt"] for e in app.load_examples() if e["label"] == args.example)
+    engine = start_engine(app.parse_args([]))  # the default pair, prepared as `make run` does
+    prompt = next(e["prompt"] for e in load_examples() if e["label"] == args.example)
     request = Request(({"role": "user", "content": prompt},), mode=args.mode, max_new_tokens=args.tokens)
     for run in range(args.runs):
         alone = engine.run(replace(request, reuse_cache=False)).metrics["tokens_per_s"]
         print(f"engine alone, run {run + 1}: {alone:.1f} tokens/s", flush=True)
-    demo, url = serve(engine)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+    demo = build_app(engine)
+    url = launch(demo, port=free_port(), block=False)
+    with chromium() as browser:
         page = browser.new_page(viewport={"width": 1440, "height": 1100})
         page.goto(url)
         page.wait_for_selector("#message textarea")
-        page.fill("#max-new-tokens input[type=number]", str(args.tokens))
-        page.press("#max-new-tokens input[type=number]", "Enter")
+        set_cap(page, args.tokens)
         page.locator("#mode").get_by_text(args.mode, exact=True).click()
         for run in range(args.runs):
             page.click("#new-chat")
@@ -72,7 +72,6 @@ def main() -> None:
             )
             footer = page.locator(FOOTERS).inner_text().splitlines()[0]
             print(f"in Chromium, run {run + 1}: {footer} · Chromium {chromium_cpu_s() - before:.1f} CPU s", flush=True)
-        browser.close()
     demo.close()
 
 

@@ -1,6 +1,6 @@
 """The speedup ceiling of exact drafting with a given pair on this machine.
 
-    python -m engine.tools.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128
+    python -m benchmarks.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128
 
 For each prompt it decodes greedily (the target's answer), records where the draft
 model's own greedy prediction agrees with that answer (teacher-forced: what it would
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.bench import add_prompt_arguments, load_prompts
 from engine.cli import run_cli
 from engine.core.drafters import LookupDrafter, NextTokenGuesser
 from engine.core.modes import LOOKUP_SPAN
@@ -33,8 +34,7 @@ from engine.core.runtime import Runtime
 from engine.core.service import Engine, Request
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
-from engine.tools.bench import add_prompt_arguments, load_prompts
-from engine.tools.report import Column, markdown_table, speedup
+from engine.report import Column, markdown_table, speedup
 
 MAX_WIDTH = LOOKUP_SPAN + 1  # the widest verify: a full lookup copy plus the bonus row
 
@@ -179,7 +179,7 @@ def guess_hits(prompt_ids: list[int], answer: list[int], predictions: list[int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
     return run_cli(lambda: print(report(*measure(parser.parse_args(argv)))))

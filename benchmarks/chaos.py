@@ -1,8 +1,8 @@
 """Normal users and misbehaving ones on one server at once: every normal answer must arrive
 intact, every bad request must get a clear message quickly, and the engine must end healthy.
 
-    python -m engine.tools.chaos                       # starts the app (default pair) on a free loopback port
-    python -m engine.tools.chaos --url http://127.0.0.1:7860/
+    python -m benchmarks.chaos                       # starts the app (default pair) on a free loopback port
+    python -m benchmarks.chaos --url http://127.0.0.1:7860/
 
 Traffic goes to loopback addresses only, and every loop is bounded in count and time. The
 misbehaving users send: NaN settings (through Gradio's REST API, which takes them), a
@@ -26,10 +26,11 @@ from urllib.parse import urlparse
 
 import httpx
 
+from benchmarks.bench import load_prompts
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, free_port, is_loopback, run_cli
 from engine.errors import EngineError
-from engine.tools.bench import load_prompts
-from engine.tools.report import Column, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 # The chat endpoint's settings after the message and the colouring flag: mode, K, temperature,
 # top-p, max new tokens, seed.
@@ -225,7 +226,7 @@ def peak_rss_gib(pid: int) -> float:
 def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[str, int]]:
     """``python app.py`` on a free loopback port, until the block ends: (its URL, its pid)."""
     port = free_port()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]  # the checkout
     process = subprocess.Popen(
         [sys.executable, str(root / "app.py"), "--host", "127.0.0.1", "--port", str(port), *app_args],
         env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
@@ -248,22 +249,29 @@ def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[st
         process.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def the_app(url: str | None, app_args: list[str]) -> Iterator[tuple[str, int | None]]:
+    """The app running at ``url`` (loopback only), or else one started for the run with
+    ``app_args``: (its URL, its pid where started here)."""
+    with contextlib.nullcontext((url, None)) if url else app_server(app_args) as (served, pid):
+        require_loopback(served)
+        yield served, pid
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running app (loopback only); default: start one")
     parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
     parser.add_argument("--users", type=int, default=3, help="normal users")
     parser.add_argument("--rounds", type=int, default=3, help="requests per user")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seconds", type=float, default=600, help="stop starting requests after this")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--table", type=Path)
+    add_output_arguments(parser)
     args, app_args = parser.parse_known_args(argv)
 
     def chaos() -> None:
         prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
-        with contextlib.nullcontext((args.url, None)) if args.url else app_server(app_args) as (url, pid):
-            require_loopback(url)
+        with the_app(args.url, app_args) as (url, pid):
             tallies = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds)
             memory = f"\napp peak RSS: {peak_rss_gib(pid):.1f} GiB" if pid else ""
         table = markdown_table([asdict(t) for t in tallies], COLUMNS) + memory

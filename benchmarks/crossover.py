@@ -1,6 +1,6 @@
 """Where serving several users with batched plain steps beats speculation, from measured passes.
 
-    python -m engine.tools.crossover [--acceptance 0.7] [--k 4] [--context 200]
+    python -m benchmarks.crossover [--acceptance 0.7] [--k 4] [--context 200]
 
 Times one-token target steps and (K+1)-token verify passes over 1, 2, 4 and 8 rows, and 2-token
 draft steps over as many rows (the draft's pass width in the engine), at a given context length,
@@ -23,7 +23,7 @@ import numpy as np
 from engine.cli import run_cli
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
-from engine.tools.report import Column, markdown_table
+from engine.report import Column, markdown_table
 
 ROWS = (1, 2, 4, 8)
 COLUMNS = [
@@ -88,7 +88,7 @@ def crossover(target: Runtime, draft: Runtime, acceptance: float, k: int, contex
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.crossover", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.crossover", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--acceptance", type=float, default=0.7, help="draft acceptance (0.70: best on coding)")
     parser.add_argument("--k", type=int, default=4)

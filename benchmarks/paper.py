@@ -1,4 +1,4 @@
-"""``python -m engine.tools.paper``: the seed paper's experiments (arXiv 2311.04951) on this machine.
+"""``python -m benchmarks.paper``: the seed paper's experiments (arXiv 2311.04951) on this machine.
 
 1. the target drafting for itself at K=1: acceptance ~1 shows the mechanism is sound;
 2. autoregressive vs speculative at N=40 and N=100 new tokens, K from 1 to 8;
@@ -12,13 +12,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from benchmarks.bench import add_prompt_arguments, load_prompts, run_bench, summarize
+from benchmarks.report import Series, line_chart, write_text
+from engine import report
 from engine.cli import ASSETS, run_cli
 from engine.core.service import Engine
 from engine.prepare.convert import Compression
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, draft_compression, prepare_one
-from engine.tools import report
-from engine.tools.bench import add_prompt_arguments, load_prompts, run_bench, summarize
-from engine.tools.report import Column, Series, line_chart, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 
 def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[dict]:
@@ -62,12 +63,7 @@ def run_paper(args: argparse.Namespace) -> None:
 
 COLUMNS = [
     Column("setup", "setup"),
-    Column("N", "n"),
-    report.MODE,
-    report.TOKENS_PER_S,
-    report.SPEEDUP,
-    report.ACCEPTANCE,
-    report.MEAN_ACCEPTED,
+    *report.PAPER_COLUMNS,
     Column("target KV KiB", "target_kv_kib", "{:.0f}"),
     Column("draft KV KiB", "draft_kv_kib", "{:.0f}"),
 ]
@@ -93,7 +89,7 @@ def _chart(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.paper", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.paper", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
     return run_cli(lambda: run_paper(parser.parse_args(argv)))

@@ -1,7 +1,7 @@
 """The quality preset against the default, one run: an int8 target with `best` (``--quality``)
 against the int4 target's autoregressive decode and `best`.
 
-    python -m engine.tools.quality --prompts assets/prompts/coding.jsonl [--limit N] [--json OUT] [--table OUT]
+    python -m benchmarks.quality --prompts assets/prompts/coding.jsonl [--limit N] [--json OUT] [--table OUT]
 
 Both targets and the one draft are loaded once; the four configurations take turns per prompt,
 greedy, every run on empty caches. Speedups are against the int4 target's autoregressive
@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from benchmarks.bench import COLUMNS, Run, add_prompt_arguments, compare_to_ar, load_prompts, own_run, summarize
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import run_cli
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.service import Engine, Request
 from engine.prepare.pipeline import QUALITY_PRECISION, add_model_arguments, prepare_from_args
-from engine.tools.bench import COLUMNS, Run, add_prompt_arguments, compare_to_ar, load_prompts, own_run, summarize
-from engine.tools.report import markdown_table, write_text
+from engine.report import markdown_table
 
 K = 4
 
@@ -50,11 +50,10 @@ def run_quality(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.quality", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
-    parser.add_argument("--json", type=Path, default=None, help="write per-prompt results here")
-    parser.add_argument("--table", type=Path, default=None, help="write the markdown table here")
+    add_output_arguments(parser)
     return run_cli(lambda: run_quality(parser.parse_args(argv)))
 
 

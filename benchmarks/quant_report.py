@@ -1,4 +1,4 @@
-"""``python -m engine.tools.quant_report``: what int4 and int8 weights cost against fp16.
+"""``python -m benchmarks.quant_report``: what int4 and int8 weights cost against fp16.
 
 For each model of the pair and each precision, teacher-forced over fixed prompts
 followed by the fp16 model's own greedy continuation: top-1 next-token agreement
@@ -18,7 +18,7 @@ from engine.cli import CODING_PROMPTS, run_cli
 from engine.core.runtime import Runtime
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, compression_from_args, prepare_one
-from engine.tools.report import Column, markdown_table
+from engine.report import Column, markdown_table
 
 CONTINUATION = 48
 COLUMNS = [
@@ -100,7 +100,7 @@ def run_report(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.quant_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quant_report", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     return run_cli(lambda: run_report(parser.parse_args(argv)))
 

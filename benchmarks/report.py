@@ -1,51 +1,19 @@
-"""Figures shown the same way everywhere (bench, paper, ceiling, quantization report, app):
-speedups, markdown tables and charts."""
+"""What the benchmarks write besides the tables (:mod:`engine.report` draws those, as the app
+does): figures as files, and charts."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tabulate import tabulate
 
-MISSING = "–"
-
-
-def speedup(baseline_s: float | None, seconds: float | None) -> float | None:
-    """How many times faster than the baseline: baseline wall time / this wall time."""
-    return baseline_s / seconds if baseline_s and seconds else None
-
-
-@dataclass(frozen=True)
-class Column:
-    header: str
-    key: str
-    template: str = "{}"  # str.format template of a value; None shows as a dash
-
-    def cell(self, row: dict) -> str:
-        value = row.get(self.key)
-        return MISSING if value is None else self.template.format(value)
-
-
-# The columns every speed table shares, named as docs/design.md "Metrics" defines them.
-MODE = Column("mode", "mode")
-TOKENS_PER_S = Column("tokens/s", "tokens_per_s", "{:.1f}")
-SPEEDUP = Column("speedup vs ar", "speedup_vs_ar", "{:.2f}×")
-ACCEPTANCE = Column("acceptance", "acceptance_rate", "{:.2f}")
-MEAN_ACCEPTED = Column("mean accepted length", "mean_accepted_length", "{:.2f}")
-
-
-def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
-    """A GitHub markdown table; columns of numbers align right."""
-    numeric = [any(isinstance(r.get(c.key), (int, float)) for r in rows) for c in columns]
-    return tabulate(
-        [[c.cell(r) for c in columns] for r in rows],
-        headers=[c.header for c in columns],
-        tablefmt="github",
-        disable_numparse=True,
-        colalign=["right" if n else "left" for n in numeric],
-    )
+def add_output_arguments(parser: argparse.ArgumentParser, json: Path | None = None, table: Path | None = None) -> None:
+    """``--json`` and ``--table``: where a run's figures and its markdown table are written
+    (by default ``json`` and ``table``; None: not written)."""
+    parser.add_argument("--json", type=Path, default=json, help="write the figures (JSON) here")
+    parser.add_argument("--table", type=Path, default=table, help="write the markdown table here")
 
 
 def write_text(path: Path | None, text: str) -> None:

@@ -1,12 +1,12 @@
 """The app on a Ray cluster of two nodes on this machine (loopback only), measured by the load
 benchmark, with one engine replica killed in the middle of the many-users phase.
 
-    python -m engine.tools.scaleout                        # default pair: 1 then 2 replicas, 8 users x 5 turns
-    python -m engine.tools.scaleout --replicas 2 --kill-after 0    # no replica killed
+    python -m benchmarks.scaleout                        # default pair: 1 then 2 replicas, 8 users x 5 turns
+    python -m benchmarks.scaleout --replicas 2 --kill-after 0    # no replica killed
 
 For each replica count: ``ray start`` a head and a second node (one CPU each, so that each
 replica has a node of its own), ``specchat serve --ray`` the app on them, run
-:mod:`engine.tools.loadtest` through the app's page API (the lone user's phase first: the solo
+:mod:`benchmarks.loadtest` through the app's page API (the lone user's phase first: the solo
 runs every answer is checked against), kill one replica ``--kill-after`` seconds into the
 many-users phase, then stop everything. Arguments it does not know go to the app (the models).
 """
@@ -24,12 +24,13 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import loadtest
+from benchmarks.chaos import app_server
+from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.cluster import local
 from engine.errors import EngineError
-from engine.tools import loadtest
-from engine.tools.chaos import app_server
-from engine.tools.report import Column, markdown_table, write_text
+from engine.report import Column, markdown_table
 
 SHARED = {c.key: c for c in loadtest.COLUMNS + loadtest.CLUSTER_COLUMNS}  # the load benchmark's own
 COLUMNS = [
@@ -94,15 +95,14 @@ def measure(address: str, deployed: int, args: argparse.Namespace, app_args: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.scaleout", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaleout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="replica counts to measure")
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--prompts", type=Path, default=CODING_PROMPTS)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kill-after", type=float, default=60, help="seconds into the many-users phase; 0: no kill")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/scaleout.json"))
-    parser.add_argument("--table", type=Path, default=Path("bench-results/scaleout.md"))
+    add_output_arguments(parser, json=Path("bench-results/scaleout.json"), table=Path("bench-results/scaleout.md"))
     args, app_args = parser.parse_known_args(argv)
 
     def scaleout() -> None:

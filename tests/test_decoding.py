@@ -30,7 +30,6 @@ from engine.core.metrics import Stats
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Request
-from engine.tools.bench import top2_margin
 
 PROMPTS = [
     "def add(a, b):",
@@ -335,17 +334,6 @@ def test_generation_stops_at_the_context_limit(pair, tok):
     tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=100)
     assert len(prompt) + len(tokens) == target.max_context
     assert stats.finish_reason == "context"
-
-
-def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, ir_target):
-    prompt, prefix = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(" return a")
-    steps = Runtime(ir_target, config=EXACT_CONFIG, first_token_alone=True)  # as the engine's target
-    logits = steps.forward(prompt)[-1]
-    for token in prefix:
-        logits = steps.forward([token])[-1]
-    top = np.sort(logits)[-2:]
-    margin = engine.with_models(lambda target, _: top2_margin(target, prompt, prefix))
-    assert margin == pytest.approx(float(top[1] - top[0]), abs=0)
 
 
 @pytest.mark.parametrize(

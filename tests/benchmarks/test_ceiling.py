@@ -1,6 +1,6 @@
 """The ceiling's clairvoyant schedule, on a hand-worked case."""
 
-from engine.tools.ceiling import Answer, Costs, guess_hits, lookup_runs, min_decode_seconds, report, runs_from_matches
+from benchmarks.ceiling import Answer, Costs, guess_hits, lookup_runs, min_decode_seconds, report, runs_from_matches
 
 COSTS = Costs(verify=[0.0, 10.0, 12.0, 14.0, 16.0], draft=3.0)
 

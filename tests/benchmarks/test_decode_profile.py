@@ -8,7 +8,7 @@ import json
 import openvino as ov
 import pytest
 
-from engine.tools import decode_profile
+from benchmarks import decode_profile
 from tests.gguf_writer import write_gguf
 
 

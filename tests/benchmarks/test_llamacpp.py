@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import llamacpp
 from engine.errors import EngineError
 from engine.prepare.pipeline import default_cache_dir
-from engine.tools import llamacpp
 from tests.gguf_writer import write_gguf
 
 SERVER = llamacpp.server_binary(default_cache_dir())
@@ -30,7 +30,7 @@ def test_the_llama_cpp_modes_need_a_gguf_model(ir_target, tiny_cache):
         llamacpp.gguf_file(str(ir_target), tiny_cache)
 
 
-@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m engine.tools.llamacpp)")
+@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m benchmarks.llamacpp)")
 def test_the_server_decodes_greedily_from_a_gguf(hf_target, tiny_dir, tiny_cache):
     (tiny_dir / "gguf").mkdir(exist_ok=True)
     gguf = write_gguf(hf_target, tiny_dir / "gguf" / "tiny-qwen2.gguf")
@@ -52,7 +52,7 @@ def test_the_sweep_ranks_configurations_by_their_speedup_over_plain_on_every_set
     """Speedups are per set against plain llama.cpp in the same run; the ranking is their
     geometric mean, so a configuration that wins big on one set and loses on the other does not
     beat a steady one by its average alone."""
-    from engine.tools.llamacpp_sweep import Tally, summarize
+    from benchmarks.llamacpp_sweep import Tally, summarize
 
     plain, steady, lopsided = llamacpp.PLAIN.name, "draft n_max 5", "ngram-mod"
     tallies = {
@@ -72,7 +72,7 @@ def test_the_peer_at_its_best_is_one_of_the_swept_configurations():
     assert all(s.draft == ("--spec-type" in s.flags and "draft-simple" in " ".join(s.flags)) for s in llamacpp.SWEEP)
 
 
-@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m engine.tools.llamacpp)")
+@pytest.mark.skipif(not SERVER.exists(), reason="llama.cpp is not built (python -m benchmarks.llamacpp)")
 def test_every_swept_configuration_starts_and_decodes(hf_target, hf_draft, tiny_dir):
     """The sweep's flags are llama-server's of the version we build: each configuration starts
     and answers greedily (a flag it does not know would stop it at start)."""

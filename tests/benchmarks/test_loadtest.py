@@ -1,4 +1,4 @@
-"""The load benchmark (engine.tools.loadtest) against the app on the tiny f32 pair: concurrent
+"""The load benchmark (benchmarks.loadtest) against the app on the tiny f32 pair: concurrent
 multi-turn users through the app's own API, every answer equal to its solo run."""
 
 from __future__ import annotations
@@ -7,17 +7,16 @@ import json
 
 import pytest
 
-import app
-from engine.cli import free_port
+from benchmarks import chaos, loadtest
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
-from engine.tools import chaos, loadtest
+from tests.ui.served import serve
 
 
 @pytest.fixture(scope="module")
 def url(ir_target, ir_draft):
-    demo = app.build_app(Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4))
-    yield app.launch(demo, port=free_port(), block=False)
+    demo, url = serve(Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4))
+    yield url
     demo.close()
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks import paged_probe
 from engine.core.runtime import EXACT_CONFIG, Runtime
-from engine.tools import paged_probe
 
 
 def _pair(ir_target):
