@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast lint mutants chaos loadtest scaleout prepare bench bench-peers ceiling llama-cpp paper report chromium clean
+.PHONY: setup run test test-slow test-fast lint mutants chaos loadtest scaleout screenshots footer-speedup prepare bench \
+	bench-peers ceiling llama-cpp paper report chromium clean
 
 setup: $(VENV)/.installed
 
@@ -22,14 +23,19 @@ run: setup
 chromium:
 	@command -v /usr/bin/chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
-# Everything: lint, types, architecture contracts, tiny-model suite, browser test, and the
-# smoke test on the real default pair.
+# What guards behaviour, in minutes: lint, types, architecture contracts, the tiny-model suites,
+# the browser test on the tiny pair and a short check of the real default pair (answers capped).
 test: setup lint chromium prepare
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 
-# Tiny models only (no real pair, no browser, no fresh install).
+# The slower guards, opt-in (marked `slow`): fresh installs (a Space's and `pip install .`) and
+# the app on a two-node Ray cluster.
+test-slow: setup chromium prepare
+	$(PY) -m pytest -q -m slow
+
+# Tiny models only (no real pair, no browser, nothing slow).
 test-fast: setup
-	$(PY) -m pytest -q -m "not real and not browser and not install and not cluster"
+	$(PY) -m pytest -q -m "not real and not browser and not slow"
 
 # ruff (lint and format), mypy and the import-linter contracts, all configured in pyproject.toml.
 lint: setup
@@ -40,44 +46,52 @@ lint: setup
 
 # Normal and misbehaving users at once against the app on the default pair (loopback, bounded).
 chaos: setup prepare
-	$(PY) -m engine.tools.chaos --json bench-results/chaos.json --table bench-results/chaos.md $(ARGS)
+	$(PY) -m benchmarks.chaos --json bench-results/chaos.json --table bench-results/chaos.md $(ARGS)
 
 # 1, 2, 4 and 8 users chatting at once through the app on the default pair (loopback, bounded).
 loadtest: setup prepare
-	$(PY) -m engine.tools.loadtest $(ARGS)
+	$(PY) -m benchmarks.loadtest $(ARGS)
 
 # The app on a two-node Ray cluster on this machine (loopback): 1 then 2 engine replicas, 8 users,
 # one replica killed mid-run.
 scaleout: setup prepare
-	$(PY) -m engine.tools.scaleout $(ARGS)
+	$(PY) -m benchmarks.scaleout $(ARGS)
+
+# The README's screenshots (assets/*.png) of the app on the default pair, taken in Chromium.
+screenshots: setup chromium prepare
+	$(PY) -m benchmarks.screenshots $(ARGS)
+
+# The speedup a chat answer's footer shows beside the one Compare measures, through the app's API.
+footer-speedup: setup prepare
+	$(PY) -m benchmarks.footer_speedup $(ARGS)
 
 # One-line mutations of the engine, each run against the fast suite: fails if any survives.
 mutants: setup
 	$(PY) -m tests.mutants $(ARGS)
 
 bench: setup
-	$(PY) -m engine.tools.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
+	$(PY) -m benchmarks.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,4,5 \
 		--modes ar,sd,hybrid,best,genai-ar,genai-sd --json bench-results/coding.json --table bench-results/coding.md $(ARGS)
 
 # Our modes against both peers on the same models: openvino-genai (same IRs) and plain
 # llama.cpp (same GGUF files; built from source on first use, about 5 min on 2 cores).
 bench-peers: setup llama-cpp
-	$(PY) -m engine.tools.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
+	$(PY) -m benchmarks.bench --prompts assets/prompts/coding.jsonl --max-new-tokens 128 --k 3,5 \
 		--modes ar,sd,best,genai-ar,genai-sd,llamacpp,llamacpp-sd --json bench-results/peers.json \
 		--table bench-results/peers.md $(ARGS)
 
 llama-cpp: setup
-	$(PY) -m engine.tools.llamacpp
+	$(PY) -m benchmarks.llamacpp
 
 # What no exact drafter can beat with this pair on this machine (docs/benchmarks.md, "The ceiling").
 ceiling: setup
-	$(PY) -m engine.tools.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128 $(ARGS)
+	$(PY) -m benchmarks.ceiling --prompts assets/prompts/coding.jsonl --max-new-tokens 128 $(ARGS)
 
 paper: setup
-	$(PY) -m engine.tools.paper $(ARGS)
+	$(PY) -m benchmarks.paper $(ARGS)
 
 report: setup
-	$(PY) -m engine.tools.quant_report $(ARGS)
+	$(PY) -m benchmarks.quant_report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results

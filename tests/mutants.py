@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["-m", "not real and not browser and not install"]
-COPIED = ("app.py", "engine", "tests", "assets", "pytest.ini", "pyproject.toml")
+COPIED = ("app.py", "engine", "ui", "benchmarks", "tests", "assets", "pytest.ini", "pyproject.toml")
 
 
 @dataclass(frozen=True)
@@ -183,19 +183,19 @@ MUTATIONS = [
     ),
     Mutation(
         "the chat ignores its mode",
-        "app.py",
-        "mode=mode,\n        k=_whole(k),",
-        'mode="autoregressive",\n        k=_whole(k),',
+        "ui/streaming.py",
+        "mode=mode,\n        k=whole(k),",
+        'mode="autoregressive",\n        k=whole(k),',
         "the mode radio does nothing",
-        "tests/test_app.py",
+        "tests/ui/test_chat.py",
     ),
     Mutation(
         "colouring ignored",
-        "app.py",
-        'if turn["role"] == "assistant" and colour and turn.get("pieces"):',
+        "ui/render.py",
+        'if colour and turn.get("pieces"):',
         "if False:",
         "the provenance colours never show",
-        "tests/test_app.py",
+        "tests/ui/test_chat.py",
     ),
 ]
 

@@ -8,11 +8,12 @@ import openai
 import pytest
 from gradio_client import Client
 
-import app
 from engine.api.openai import build_router
 from engine.cli import free_port
 from engine.core.service import Engine
-from tests.test_app import GREEDY, last_answer
+from tests.ui.served import GREEDY, last_answer
+from ui.launch import launch
+from ui.page import build_app
 
 KEY = "sk-test-key"
 MODELS = {
@@ -24,8 +25,8 @@ CHAT = [{"role": "user", "content": "def add(a, b):"}]
 
 @pytest.fixture(scope="module")
 def served(engine):
-    demo = app.build_app(engine)
-    url = app.launch(demo, port=free_port(), block=False, api=build_router(engine, "tiny", MODELS, KEY))
+    demo = build_app(engine)
+    url = launch(demo, port=free_port(), block=False, api=build_router(engine, "tiny", MODELS, KEY))
     yield url
     demo.close()
 

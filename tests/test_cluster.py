@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-import app
+from benchmarks import loadtest, scaleout
+from benchmarks.chaos import app_server
 from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST, local
 from engine.cluster.deploy import MIN_THREADS, ClusterSettings
 from engine.cluster.remote import RemoteEngine, affinity_key
 from engine.cluster.router import AffinityRouter
 from engine.core.service import Event, Request, Stream
 from engine.errors import EngineError
-from engine.tools import loadtest, scaleout
-from engine.tools.chaos import app_server
+from ui.render import render_answer
 
 SETTINGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica")
 
@@ -105,7 +105,7 @@ def answer(user: int, turn: int, replica: str, error: str = "") -> loadtest.Answ
     return loadtest.Answer(user, turn, text="x", error=error, metrics={"replica": replica, "new_tokens": 4})
 
 
-CUT = app.render_answer({"failed": True, "content": REPLICA_LOST}, colour=False)  # as the page shows it
+CUT = render_answer({"failed": True, "content": REPLICA_LOST}, colour=False)  # as the page shows it
 
 
 def test_affinity_counts_follow_ups_on_their_replica_unless_it_was_killed():

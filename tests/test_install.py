@@ -140,7 +140,10 @@ def test_pip_install_gives_the_specchat_command(fresh_venv, hf_target, hf_draft,
     assert install.returncode == 0, install.stderr[-3000:]
     specchat = fresh_venv / "bin" / "specchat"
     helped = subprocess.run([specchat, "--help"], capture_output=True, text=True, check=True).stdout
-    assert all(command in helped for command in ("serve", "prepare", "bench"))
+    assert all(command in helped for command in ("serve", "prepare"))
+    shipped = "import importlib.util as u; print([bool(u.find_spec(m)) for m in ('ui', 'benchmarks', 'engine.tools')])"
+    found = subprocess.run([python, "-c", shipped], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert found.stdout.strip() == "[True, False, False]"  # the UI ships; measurement stays in the checkout
     port = free_port()
     command = [specchat, "serve", "--target", str(hf_target), "--draft", str(hf_draft), "--port", str(port)]
     command += ["--target-precision", "fp16", "--draft-precision", "fp16"]

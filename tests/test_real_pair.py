@@ -1,4 +1,5 @@
-"""Smoke test on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft, int4)."""
+"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft, int4), briefly: exactness, and
+the app answering on it (answers capped)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gradio_client import Client
 
 from engine.core.service import Engine, Request
+from tests.ui.served import ask, last_answer, serve
 
 pytestmark = pytest.mark.real
 PROMPTS = Path(__file__).parent.parent / "assets" / "prompts" / "coding.jsonl"
@@ -19,23 +22,40 @@ def real_engine(real_pair):
     return Engine(*real_pair)
 
 
+@pytest.fixture(scope="module")
+def chats() -> list[tuple[dict, ...]]:
+    return [({"role": "user", "content": json.loads(line)["prompt"]},) for line in PROMPTS.read_text().splitlines()[:3]]
+
+
+@pytest.fixture(scope="module")
+def autoregressive(real_engine, chats) -> list[list[int]]:
+    """Plain greedy answers of 64 tokens: what every other mode must give."""
+    return [
+        real_engine.run(Request(chat, mode="autoregressive", max_new_tokens=64, reuse_cache=False)).token_ids
+        for chat in chats
+    ]
+
+
 @pytest.mark.parametrize("mode", ["speculative", "best"])
-def test_greedy_speculative_equals_autoregressive_on_the_real_pair(real_engine, mode):
+def test_greedy_speculative_equals_autoregressive_on_the_real_pair(real_engine, chats, autoregressive, mode):
     """Token for token: the prompt is prefilled alone in every mode, and a verify pass computes
     each row exactly as a single step does at the target's settings (int4 weights, f32 compute)."""
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:3]]
-    for prompt in prompts:
-        chat = ({"role": "user", "content": prompt},)
-        runs = {
-            m: real_engine.run(Request(chat, mode=m, k=4, max_new_tokens=64, reuse_cache=False))
-            for m in ("autoregressive", mode)
-        }
-        ar, sd = runs["autoregressive"], runs[mode]
-        print(
-            f"\n{prompt[:50]!r}: autoregressive {ar.metrics['tokens_per_s']:.1f} tok/s, "
-            f"{mode} {sd.metrics['tokens_per_s']:.1f} tok/s (acceptance {sd.metrics['acceptance_rate']:.2f})"
-        )
-        assert sd.token_ids == ar.token_ids
+    answers = [
+        real_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=64, reuse_cache=False)).token_ids for chat in chats
+    ]
+    assert answers == autoregressive
+
+
+def test_the_app_answers_on_the_real_pair_with_its_figures(real_engine, chats):
+    demo, url = serve(real_engine)
+    try:
+        final = ask(Client(url, verbose=False), chats[0][0]["content"], mode="best", max_new_tokens=24).outputs()[-1]
+    finally:
+        demo.close()
+    metrics = final[3]
+    assert metrics["mode"] == "best" and metrics["new_tokens"] == 24 and metrics["finish_reason"] == "length"
+    assert last_answer(final) and "Could not answer" not in last_answer(final)
+    assert final[5].startswith("best · 24 tokens · ")  # the footer's line (the compact line on phones)
 
 
 def _has_avx512() -> bool:
@@ -57,28 +77,20 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
     target.trim(len(prompt))
     verified = target.forward(tokens, rows=len(tokens))
     target.reset()
-    print(f"\nverify rows vs single steps: max |difference| {np.abs(verified - singles).max():.2e}")
     if _has_avx512():
         np.testing.assert_array_equal(verified, singles)
     else:
         np.testing.assert_allclose(verified, singles, rtol=0, atol=1e-4)
 
 
-def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine):
+def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine, chats):
     """A cold cache starts with one token, and passes with a past compute every row alike at any
     width: so a turn prefilled after another conversation (sharing only the system prompt) or in
     other chunks gives the answer a cold cache gives."""
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:3]]
     cold = [
-        real_engine.run(
-            Request(({"role": "user", "content": p},), mode="best", max_new_tokens=48, reuse_cache=False)
-        ).token_ids
-        for p in prompts
+        real_engine.run(Request(chat, mode="best", max_new_tokens=48, reuse_cache=False)).token_ids for chat in chats
     ]
-    warm = [
-        real_engine.run(Request(({"role": "user", "content": p},), mode="best", max_new_tokens=48)).token_ids
-        for p in prompts[::-1]
-    ]
+    warm = [real_engine.run(Request(chat, mode="best", max_new_tokens=48)).token_ids for chat in chats[::-1]]
     assert warm[::-1] == cold
 
 

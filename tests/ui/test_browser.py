@@ -1,9 +1,8 @@
-"""The page in a real Chromium: tokens stream, metrics move, the mode toggles; the chat's
-features (system prompt, Markdown with provenance, Continue, edit/undo/retry, conversations
-kept across reloads with export and import, footers and header, the phone layout, the
-Compare race).
-
-On the real default pair (where it is prepared) it also takes the README screenshots."""
+"""The page in a real Chromium on the tiny pair: tokens stream, metrics move, the mode toggles;
+the chat's features (system prompt, Markdown with provenance, Stop and Continue, edit/undo/retry,
+conversations kept across reloads with export and import, footers and header, the phone
+layout, the Compare race). The README's screenshots are taken on purpose, by
+``make screenshots`` (benchmarks/screenshots.py)."""
 
 from __future__ import annotations
 
@@ -12,56 +11,36 @@ import re
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
-import app
-from tests.test_app import SlowEngine, every_round_drawn, serve  # noqa: F401  (an autouse fixture: it applies here too)
+from benchmarks.chromium import (
+    ANSWERS,
+    CHROMIUM,
+    FOOTERS,
+    PHONE,
+    WATCH,
+    answers,
+    chromium,
+    finished,
+    open_page,
+    race,
+    send,
+    set_cap,
+)
 from tests.test_decoding import slowed
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-ANSWERS = '#chatbot .message:not(.thought) > [data-testid="bot"]'  # answers, not their footers
-FOOTERS = "#chatbot .thought"
-PHONE = {"width": 390, "height": 844}
-# A whole answer of the real pair without a cap (364 tokens for the LRU example): 90 s at the 4 tokens/s
-# of the slowest 2-core machine seen (2026-11-25), with room for the engine's start-up timing.
-REAL_ANSWER_MS = 450_000
+from tests.ui.served import SlowEngine, serve
+from ui.page import load_examples
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (apt-get install chromium)"),
 ]
 
-# Records every text the last answer and the metrics panel show, so a stream that is
-# fast on the tiny model is still seen update by update.
-WATCH = """() => {
-  window.seen = {answer: [], metrics: []};
-  const record = () => {
-    const bots = document.querySelectorAll('#chatbot [data-testid="bot"]');
-    const answer = bots.length ? bots[bots.length - 1].innerText : '';
-    const metrics = document.querySelector('#metrics')?.innerText ?? '';
-    if (answer !== window.seen.answer.at(-1)) window.seen.answer.push(answer);
-    if (metrics !== window.seen.metrics.at(-1)) window.seen.metrics.push(metrics);
-  };
-  new MutationObserver(record).observe(document.body, {subtree: true, childList: true, characterData: true});
-}"""
-
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture
@@ -69,48 +48,16 @@ def open_app(browser):
     """Serve the app on an engine and open it in a new page; everything is closed afterwards."""
     opened = []
 
-    def open_app(engine, viewport: dict | None = None, query: str = ""):
+    def open_app(engine, viewport: dict | None = None):
         demo, url = serve(engine)
-        page = browser.new_page(viewport=viewport or {"width": 1440, "height": 1350})
+        page = open_page(browser, url, viewport)
         opened.append((demo, page))
-        page.set_default_timeout(30_000)
-        page.goto(url + query)
-        page.wait_for_selector("#message textarea")
-        page.wait_for_function("() => document.querySelector('#conversations input')?.value")  # restored
         return page
 
     yield open_app
     for demo, page in opened:
         page.close()
         demo.close()
-
-
-def send(page, message: str, mode: str) -> None:
-    """Type ``message``, send it and wait until its answer is finished in ``mode``."""
-    page.evaluate(WATCH)
-    page.fill("#message textarea", message)
-    page.click("#send")
-    finished(page)
-    assert page.get_attribute("#metrics .metrics", "data-mode") == mode
-
-
-def finished(page) -> None:
-    """Wait until the answer streaming (as :data:`WATCH` saw) has finished without an error."""
-    page.wait_for_function(
-        """() => window.seen.metrics.some(m => m.includes('streaming') || m.includes('error'))
-        && /length|stop|context|error/.test(document.querySelector('#metrics .finish')?.innerText)""",
-        timeout=REAL_ANSWER_MS,
-    )
-    assert page.inner_text("#metrics .finish") != "error", page.inner_text("#chatbot")
-
-
-def set_cap(page, tokens: int) -> None:
-    page.fill("#max-new-tokens input[type=number]", str(tokens))
-    page.press("#max-new-tokens input[type=number]", "Enter")
-
-
-def answers(page) -> list[str]:
-    return page.locator(ANSWERS).all_inner_texts()
 
 
 def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_path):
@@ -131,7 +78,7 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_p
     page.click("#clear")
     page.locator("#mode").get_by_text("speculative", exact=True).click()
     page.get_by_label("Colour tokens by provenance").check()
-    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
+    example = next(e for e in load_examples() if e["label"] == "LRU cache class")
     page.get_by_role("button", name=example["label"]).click()
     expect(page.locator("#message textarea")).to_have_value(example["prompt"])
     send(page, example["prompt"], "speculative")
@@ -321,33 +268,6 @@ def test_on_a_phone_the_settings_start_closed_and_a_compact_metrics_line_shows(o
     assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]  # nothing wider than the screen
 
 
-RACE_WATCH = """() => {
-  window.raced = [];
-  new MutationObserver(() => {
-    const right = document.querySelector('#right-text')?.innerText ?? '';
-    if (right !== window.raced.at(-1)) window.raced.push(right);
-  }).observe(document.body, {subtree: true, childList: true, characterData: true});
-}"""
-
-
-def race(page, left: str, right: str) -> list[str]:
-    """Run Compare with ``left`` and ``right`` modes; return the right pane's texts as seen."""
-    page.get_by_role("tab", name="Compare").click()
-    for side, mode in (("left", left), ("right", right)):
-        page.click(f"#{side}-mode input")
-        page.get_by_role("option", name=mode, exact=True).last.click()  # (the list just opened)
-        page.locator(f"#{side}-mode input").blur()
-        expect(page.locator(f"#{side}-mode input")).to_have_value(mode)
-    page.evaluate(RACE_WATCH)
-    page.click("#run-compare")
-    page.wait_for_function(  # both runs, then their race, finished
-        """() => window.raced.some(t => t.endsWith('▌'))
-            && document.querySelector('#verdict')?.innerText.includes('speedup')""",
-        timeout=2 * REAL_ANSWER_MS,
-    )
-    return page.evaluate("window.raced")
-
-
 def test_compare_races_the_two_answers_side_by_side_with_any_mode_as_the_fast_side(open_app, engine, monkeypatch):
     slowed(monkeypatch, engine.target, 0.02)  # a race long enough to be seen
     page = open_app(engine)
@@ -363,47 +283,3 @@ def test_compare_races_the_two_answers_side_by_side_with_any_mode_as_the_fast_si
     assert "tokens/s" in page.inner_text("#left-stats") and "tokens/s" in page.inner_text("#right-stats")
     page.click("#race-again")
     page.wait_for_function("() => document.querySelector('#right-text').innerText.endsWith('▌')")
-
-
-@pytest.mark.real
-def test_real_pair_screenshots_and_the_footer_speedup_next_to_compares(open_app, real_pair, capsys):
-    """The README screenshots (desktop light and dark, phone, the race) on the default pair, with
-    the default settings (no cap); and the speedup the chat's footer shows for an example prompt
-    beside the one Compare measures for it (printed: speed is measured, not asserted)."""
-    from engine.core.service import Engine
-
-    example = next(e for e in app.load_examples() if e["label"] == "LRU cache class")
-    page = open_app(Engine(*real_pair))
-    page.get_by_role("tab", name="Compare").click()
-    page.fill("#compare-prompt textarea", example["prompt"])
-    race(page, "autoregressive", "best")
-    compare_speedup = page.inner_text("#verdict .speedup")
-    assert "identical output" in page.inner_text("#verdict")
-    page.click("#race-again")
-    page.wait_for_timeout(4000)  # mid-race
-    page.screenshot(path=str(ASSETS / "race.png"))
-
-    page.get_by_role("tab", name="Chat").click()
-    page.get_by_role("button", name=example["label"]).click()
-    send(page, example["prompt"], "best")
-    footer = page.locator(FOOTERS).inner_text().splitlines()[0]
-    assert "class" in answers(page)[0] and page.get_by_role("button", name="Continue ▸").count() == 0
-    assert "(measured)" in footer  # Compare measured plain decoding at this length
-    with capsys.disabled():
-        print(f"\nfooter: {footer}\ncompare: {compare_speedup}")
-    page.get_by_label("Colour tokens by provenance").check()
-    page.wait_for_timeout(1000)  # the plot's last redraw
-    page.screenshot(path=str(ASSETS / "screenshot.png"))
-
-    url = page.url.split("?")[0]
-    page.goto(url + "?__theme=dark")
-    page.wait_for_selector(ANSWERS)  # the conversation, kept by the browser
-    page.get_by_label("Colour tokens by provenance").check()
-    page.wait_for_timeout(1000)
-    page.screenshot(path=str(ASSETS / "screenshot-dark.png"))
-    page.set_viewport_size(PHONE)
-    page.goto(url)
-    page.wait_for_selector(ANSWERS)
-    page.wait_for_function("() => !document.querySelector('#sidebar').classList.contains('open')")
-    page.wait_for_timeout(1000)
-    page.screenshot(path=str(ASSETS / "screenshot-phone.png"))

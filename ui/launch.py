@@ -1,0 +1,139 @@
+"""Serving the page: alone (with the API's routes on the same port) or mounted in an ASGI app
+(the cluster's ingress); the login, the key conversations are sealed with, and what an
+operator is warned about before strangers can reach the app."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+from fastapi import APIRouter, FastAPI
+
+from engine.api.openai import build_router
+from engine.cli import ASSETS, is_loopback
+from engine.interface import EngineClient
+from engine.prepare.pipeline import cache_dir_from_args
+from engine.render import markdown
+from ui.page import build_app
+
+AUTH_ENV = "SPECCHAT_AUTH"
+SECRET_ENV = "SPECCHAT_BROWSER_SECRET"
+API_KEY_ENV = "SPECCHAT_API_KEY"
+THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
+
+
+def launch(
+    demo: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    share: bool = False,
+    auth: tuple[str, str] | None = None,
+    block: bool = True,
+    api: APIRouter | None = None,
+) -> str:
+    """Serve ``demo`` (and ``api``'s routes on the same port) and return its local URL. Where no
+    share link can be made (no internet, no tunnel client), say so in one line and keep serving
+    locally."""
+    gradio_says = io.StringIO()
+    with contextlib.redirect_stdout(gradio_says) if share else contextlib.nullcontext():
+        demo.launch(
+            server_name=host,
+            server_port=port,
+            share=share,
+            auth=auth,
+            prevent_thread_lock=True,
+            quiet=True,
+            **page_options(),
+        )
+    if api is not None:
+        demo.server_app.include_router(api)
+    local = str(demo.local_url)
+    if share and demo.share_url:
+        print(f"serving at {local} and at the public link {demo.share_url}", flush=True)
+    elif share:
+        said = next((line.strip() for line in gradio_says.getvalue().splitlines() if line.strip()), "")
+        reason = said.removeprefix("Could not create share link.").strip().rstrip(".") or "no tunnel"
+        print(
+            f"share link unavailable: Gradio could not open its tunnel ({reason}; it needs internet access); "
+            f"serving locally at {local}",
+            flush=True,
+        )
+    else:
+        print(f"serving at {local}", flush=True)
+    if block:
+        demo.block_thread()
+    return local
+
+
+def page_options() -> dict[str, Any]:
+    """How the page is served, alone or mounted in the cluster's ingress."""
+    return {
+        "show_error": False,  # users see the handlers' own messages; tracebacks go to the log
+        "max_file_size": "1mb",  # (the only uploads: conversations to import)
+        "theme": THEME,
+        "css_paths": [ASSETS / "style.css"],
+        "css": markdown.highlight_css(),
+        "footer_links": ["api", "settings"],
+    }
+
+
+def web_app(args: argparse.Namespace, engine: EngineClient) -> FastAPI:
+    """The page and the API on ``engine`` as one ASGI app: what the cluster's ingress serves."""
+    server = FastAPI()
+    server.include_router(build_router(engine, args.target, model_sources(args), args.api_key))
+    demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
+    return gr.mount_gradio_app(server, demo, path="/", auth=parse_auth(args.auth), **page_options())
+
+
+def model_sources(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Each role's source and precision as given, for /health."""
+    return {
+        role: {"source": getattr(args, role), "precision": getattr(args, f"{role}_precision")}
+        for role in ("target", "draft")
+    }
+
+
+def launch_warnings(host: str, share: bool, auth: tuple[str, str] | None, keyed: bool = False) -> list[str]:
+    """What an operator should hear before strangers can reach the app or its API without a login."""
+    if is_loopback(host) and not share:
+        return []
+    reach = "a public share link" if share else f"the address {host}"
+    said = [] if auth else [f"{reach} serves the app without a login: pass --auth USER:PASS (or ${AUTH_ENV})"]
+    if not keyed and not is_loopback(host):
+        said.append(f"the address {host} serves the API (/v1) without a key: pass --api-key KEY (or ${API_KEY_ENV})")
+    return said
+
+
+def parse_auth(text: str | None) -> tuple[str, str] | None:
+    if not text:
+        return None
+    user, sep, password = text.partition(":")
+    if not (sep and user and password):
+        raise ValueError(f"--auth / ${AUTH_ENV} must look like USER:PASS")
+    return user, password
+
+
+def browser_secret(folder: Path) -> str | None:
+    """The key the conversations kept in browsers are sealed with (against tampering, not prying:
+    the page holds it), kept in the cache folder so that they open again after a restart
+    (``$SPECCHAT_BROWSER_SECRET`` overrides it; None, a key for this run only, where the folder
+    cannot be written)."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = folder / "browser-secret"
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_urlsafe(24))
+        return path.read_text().strip() or None
+    except OSError as exc:
+        logging.getLogger("specchat").warning(f"conversations kept in browsers will not survive a restart: {exc}")
+        return None

@@ -1,0 +1,82 @@
+"""The whole page on one engine: the status banner, the sidebar and the two tabs laid out,
+then wired. Per-browser data lives in ``gr.State`` and the browser's storage; the one engine is
+shared by every visitor."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import gradio as gr
+
+from engine.cli import ASSETS
+from engine.interface import EngineClient
+from ui import chat, compare, conversations, sidebar
+from ui.render import header_html, status_html
+
+QUEUE_POLL_S = 0.02  # how often Gradio's idle queue looks for new events (its default: 1 ms); see quiet_queue
+PROGRESS_POLL_S = 0.1  # how often it looks for progress to send (its default: 10 ms)
+
+
+def load_examples(path: Path = ASSETS / "examples.json") -> list[dict]:
+    return json.loads(path.read_text())
+
+
+def build_app(engine: EngineClient, examples: list[dict] | None = None, secret: str | None = None) -> gr.Blocks:
+    """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default:
+    assets/examples.json). ``secret``: the key the conversations kept in each browser are
+    encrypted with (default: a new one, so they last as long as this server)."""
+    examples = load_examples() if examples is None else examples
+    with gr.Blocks(
+        title="SpecChat · speculative decoding on CPU",
+        analytics_enabled=False,
+        fill_height=True,
+        fill_width=True,
+        delete_cache=(3600, 3600),  # exported files
+    ) as demo:
+        stores = conversations.create_stores(secret)
+        status = gr.HTML(status_html(engine.state), elem_id="status")
+        status_timer = gr.Timer(1.0, active=engine.state != "ok")
+        side = sidebar.create_ui(engine)
+        with gr.Tab("Chat"):
+            chat_tab = chat.create_ui(engine, examples)
+        with gr.Tab("Compare"):
+            compare_tab = compare.create_ui(engine, examples)
+
+        chat_events = chat.wire(engine, chat_tab, side, conversations.saving(engine, stores, chat_tab, side))
+
+        def engine_health() -> dict:
+            """Whether the engine is making progress, and how many requests wait for it or use it."""
+            return {"healthy": engine.healthy, "pending": engine.pending}
+
+        gr.api(engine_health, api_name="health", queue=False)
+        status_timer.tick(
+            partial(refresh_status, engine),
+            chat_tab.turns,
+            [status, status_timer, chat_tab.header],
+            queue=False,
+            api_visibility="private",
+        )
+        conversations.wire(engine, demo, stores, chat_tab, side, chat_events)
+        sidebar.wire(demo, side)
+        compare.wire(engine, compare_tab, side)
+    demo.queue(default_concurrency_limit=None, max_size=64)
+    quiet_queue(demo)
+    return demo
+
+
+def refresh_status(engine: EngineClient, turns):
+    """The banner's next state and the header (the models' names, once known); the timer stops
+    once the models serve."""
+    state = engine.state
+    return status_html(state), gr.Timer(active=state.startswith("loading")), header_html(engine, turns)
+
+
+def quiet_queue(demo: gr.Blocks) -> None:
+    """Gradio's queue looks for new events every millisecond while it is idle and for progress
+    every 10 ms: 5% of a core with no one connected, taken from decoding on the same cores. At
+    QUEUE_POLL_S a new request waits up to 20 ms more to start; the lone user's answers ran 2–9%
+    faster (docs/benchmarks.md, "The tenth session's measurements")."""
+    demo._queue.sleep_when_free = QUEUE_POLL_S
+    demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_S

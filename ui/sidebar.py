@@ -1,0 +1,137 @@
+"""The sidebar: the conversations kept in this browser, the decoding settings and the live
+metrics panel (its cards, the tokens/s plot and the figures as JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine.core.modes import MODES
+from engine.interface import EngineClient
+from ui.render import metrics_html
+
+MAX_CAP = 8192  # the largest cap on new tokens the form offers (0: none but the context)
+# Phones: the settings start closed (they would cover the chat), the compact metrics line shows.
+CLOSE_SIDEBAR_ON_PHONES = """() => {
+  if (window.innerWidth < 768) document.querySelector('#sidebar .toggle-button, .sidebar .toggle-button')?.click();
+}"""
+
+
+@dataclass
+class Sidebar:
+    conversations: gr.Dropdown
+    new: gr.Button
+    delete: gr.Button
+    export: gr.Button
+    upload: gr.UploadButton
+    exported: gr.File
+    system: gr.Textbox
+    mode: gr.Radio
+    k: gr.Slider
+    temperature: gr.Slider
+    top_p: gr.Slider
+    max_new_tokens: gr.Slider
+    seed: gr.Number
+    metrics_panel: gr.HTML
+    tps_plot: gr.LinePlot
+    metrics_json: gr.JSON
+
+    @property
+    def settings(self) -> list[gr.components.Component]:
+        """The decoding settings, in the order the handlers take them."""
+        return [self.mode, self.k, self.temperature, self.top_p, self.max_new_tokens, self.seed]
+
+    @property
+    def panels(self) -> list[gr.components.Component]:
+        """What shows the figures of the answer streaming: the cards, their JSON and the plot."""
+        return [self.metrics_panel, self.metrics_json, self.tps_plot]
+
+
+def create_ui(engine: EngineClient) -> Sidebar:
+    max_tokens = max(16, min(MAX_CAP, engine.max_context))
+    with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
+        gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
+        with gr.Accordion("Conversations", open=True):
+            conversations = gr.Dropdown([], label="Open conversation", elem_id="conversations", filterable=False)
+            with gr.Row():
+                new = gr.Button("New chat", size="sm", elem_id="new-chat")
+                delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chat")
+            with gr.Row():
+                export = gr.Button("Export", size="sm", elem_id="export")
+                upload = gr.UploadButton(
+                    "Import", size="sm", file_types=[".json", ".md"], type="filepath", elem_id="import"
+                )
+            exported = gr.File(label="Exported (JSON, Markdown)", file_count="multiple", visible=False)
+        system = gr.Textbox(
+            "",
+            label="System prompt",
+            lines=2,
+            max_lines=8,
+            placeholder="Empty: the model's own default",
+            elem_id="system",
+        )
+        mode = gr.Radio(
+            list(engine.modes),
+            label="Decoding mode",
+            elem_id="mode",
+            value=engine.modes[0],
+            info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
+        )
+        k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
+        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
+        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+        max_new_tokens = gr.Slider(
+            0,
+            max_tokens,
+            value=0,
+            step=8,
+            label="Max new tokens",
+            info="0 = until the model stops (within the context); a cut answer can be continued",
+            elem_id="max-new-tokens",
+        )
+        seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
+        gr.Markdown("### Live metrics")
+        metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
+        tps_plot = gr.LinePlot(
+            None,
+            x="time_s",
+            y="tokens_per_s",
+            color="series",
+            x_title="time (s)",
+            y_title="tokens/s",
+            title="tokens/s while streaming",
+            height=220,
+            elem_id="tps-plot",
+            color_map={"average": "#4f46e5", "this round": "#10b981"},
+        )
+        with gr.Accordion("All metrics (JSON)", open=False):
+            metrics_json = gr.JSON(label="metrics")
+    return Sidebar(
+        conversations,
+        new,
+        delete,
+        export,
+        upload,
+        exported,
+        system,
+        mode,
+        k,
+        temperature,
+        top_p,
+        max_new_tokens,
+        seed,
+        metrics_panel,
+        tps_plot,
+        metrics_json,
+    )
+
+
+def draft_length_for(mode):
+    """K only matters where tokens are drafted."""
+    return gr.update(interactive=mode != "autoregressive")
+
+
+def wire(demo: gr.Blocks, sidebar: Sidebar) -> None:
+    demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
+    sidebar.mode.change(draft_length_for, sidebar.mode, sidebar.k, queue=False, api_visibility="private")
