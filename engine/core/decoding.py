@@ -373,18 +373,19 @@ class Decoder:
         """The pacer of the kind of text the answer is in (code or not), if paced."""
         return None if self._pacers is None else self._pacers[self.in_code]
 
-    def prefill(self) -> Iterator[None]:
+    def prefill(self) -> Iterator[int]:
         """The prompt's passes but the last (which gives the first token's logits), in chunks;
-        yields after each, so a caller can stop between them."""
+        yields the prompt tokens read after each, so a caller can show progress and stop between
+        them."""
         passes = self.target.feed(self.context, PREFILL_CHUNK)
         while True:
             start, before = time.perf_counter(), self.target.passes
-            more = next(passes, None) is not None
+            read = next(passes, None)
             self.stats.target_seconds += time.perf_counter() - start
             self.stats.target_passes += self.target.passes - before
-            if not more:
+            if read is None:
                 return
-            yield
+            yield read
 
     def room(self) -> int:
         """Drafted tokens that fit in this round (the budget and the context); marks the request
@@ -413,7 +414,7 @@ class Decoder:
         draft = self.drafter.free(self.context, min(self.config.k, limit), self.config.sampling).head(limit)
         return draft if draft.tokens else None
 
-    def catch_up(self) -> Iterator[None]:
+    def catch_up(self) -> Iterator[int]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
         if self.drafter is None or self._caught_up or not self._speculates(self.room()):
             return
@@ -498,7 +499,7 @@ def decode(
         yield decoder.round()
 
 
-def _until_cancelled(passes: Iterator[None], config: DecodeConfig) -> bool:
+def _until_cancelled(passes: Iterator[int], config: DecodeConfig) -> bool:
     """Run a prefill's ``passes`` (a long prompt, in chunks), reporting progress and checking for
     a cancel between them: False if the request was cancelled."""
     for _ in passes:

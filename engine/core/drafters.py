@@ -46,7 +46,7 @@ class Drafter(Protocol):
     def observe(self, drafted: int, accepted: int) -> None:
         """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
 
-    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         """Bring what the drafter caches up to ``context`` in passes of ``chunk`` tokens (a long
         prompt before the first draft), yielding between passes."""
 
@@ -188,7 +188,7 @@ class ModelDrafter:
     def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
         return Draft([], None, 0.0)
 
-    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return self.runtime.feed(self.view(context), chunk)
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -292,7 +292,7 @@ class LookupDrafter:
         self._accepted = self.DECAY * self._accepted + accepted + share * self.PRIOR[0]
         self._rejected = self.DECAY * self._rejected + rejected + share * self.PRIOR[1]
 
-    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return iter(())
 
     def rollback(self, accepted: Sequence[int]) -> None:
@@ -328,7 +328,7 @@ class HybridDrafter:
     def observe(self, drafted: int, accepted: int) -> None:
         (self.model if self._model_proposed else self.lookup).observe(drafted, accepted)
 
-    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[None]:
+    def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return self.model.catch_up(context, chunk)
 
     def rollback(self, accepted: Sequence[int]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from pathlib import Path
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -45,3 +46,34 @@ def trim_heap() -> None:
     """Return the heap's free pages to the system (after a batch's states were copied around)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (0 where there is none: not Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now."""
+    return _status_bytes("VmRSS")
+
+
+_peak_base = 0
+
+
+def reset_peak_rss() -> None:
+    """Start measuring the process's peak resident memory afresh (Linux: ``clear_refs``)."""
+    global _peak_base
+    Path("/proc/self/clear_refs").write_text("5")
+    _peak_base = resident_bytes()
+
+
+def peak_rss_since() -> int:
+    """How far the resident memory rose above what it was at :func:`reset_peak_rss`."""
+    return max(0, _status_bytes("VmHWM") - _peak_base)

@@ -256,14 +256,16 @@ class Runtime:
         self.passes += 1
         return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
 
-    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[None]:
+    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[int]:
         """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
-        ``chunk`` tokens (after trimming it to the prefix it shares with them); yield after each
-        pass, so a caller can stop between them."""
+        ``chunk`` tokens (after trimming it to the prefix it shares with them); yield how many
+        tokens it holds after each pass, so a caller can report progress and stop between them.
+        A pass's memory grows with its width times the context (the attention scores), so no
+        pass is wider than ``chunk``."""
         self.trim(common_prefix(self.tokens, tokens))
         while len(tokens) - len(self.tokens) > chunk:
             self.forward(tokens[len(self.tokens) : len(self.tokens) + chunk])
-            yield
+            yield len(self.tokens)
 
     def sync(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:
         """Make the cache hold ``tokens``: trim it to the longest prefix it shares with them (less

@@ -214,7 +214,7 @@ class _Job:
     stats: Stats
     session: Session | None = None
     decoder: Decoder | None = None
-    prefill: Iterator[None] | None = None  # the prompt's remaining passes; None once read
+    prefill: Iterator[int] | None = None  # the prompt's remaining passes (tokens read after each); None once read
     detok: IncrementalDecoder | None = None
     stops: StopStrings | None = None
     out: list[int] = field(default_factory=list)
