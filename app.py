@@ -20,6 +20,7 @@ from functools import partial
 from engine.api.openai import build_router
 from engine.cli import run_cli
 from engine.cluster import deploy as cluster
+from engine.core.budget import parse_size
 from engine.core.modes import MODES
 from engine.core.service import Loading
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
@@ -57,7 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=int(os.environ["SPECCHAT_MAX_SESSIONS"]) if os.environ.get("SPECCHAT_MAX_SESSIONS") else None,
         help="conversations whose KV caches are kept, so their next turn prefills only what is new "
-        "(default: $SPECCHAT_MAX_SESSIONS, else what fits in half the free memory)",
+        "(default: $SPECCHAT_MAX_SESSIONS, else 32, their caches within --memory-limit)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=parse_size(os.environ["SPECCHAT_MEMORY_LIMIT"]) if os.environ.get("SPECCHAT_MEMORY_LIMIT") else None,
+        metavar="SIZE",
+        help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
+        "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
     )
     cluster.add_cluster_arguments(parser)
     return parser.parse_args(argv)

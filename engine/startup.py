@@ -26,4 +26,5 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         draft_config=DRAFT_CONFIG | limit,
         max_input_tokens=args.max_input_tokens,
         max_sessions=args.max_sessions,
+        memory_limit=getattr(args, "memory_limit", None),
     )

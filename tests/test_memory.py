@@ -64,3 +64,62 @@ def test_reading_a_prompt_peaks_at_its_kv_cache_plus_a_constant(long_engine):
     grown = peak_rss_since()
     kv = len(prompt) * long_engine.target.kv_bytes_per_token
     assert grown <= 2 * kv + 96 * 2**20, f"reading 6,000 tokens grew the process by {grown / 2**20:.0f} MiB"
+
+
+ROOM_TOKENS = 2000  # what the small budget below holds of the tiny target's caches
+
+
+@pytest.fixture
+def small_budget_engine(long_target, monkeypatch):
+    """An engine whose memory limit leaves room for 2,000 tokens of cache beside its models."""
+    from engine.core import service
+    from engine.core.budget import HEADROOM, RESIDENT_PER_CACHED_BYTE
+
+    base = 2**30
+    monkeypatch.setattr(service, "resident_bytes", lambda: base)
+    probe = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1)
+    per_token = probe.target.kv_bytes_per_token * RESIDENT_PER_CACHED_BYTE
+    return Engine(
+        long_target, None, config=EXACT_CONFIG, max_sessions=2, memory_limit=base + HEADROOM + ROOM_TOKENS * per_token
+    )
+
+
+def test_the_input_cap_follows_from_the_memory_budget(small_budget_engine):
+    engine = small_budget_engine
+    assert engine.budget.tokens == ROOM_TOKENS
+    assert engine.max_input_tokens < ROOM_TOKENS
+    event = engine.run(Request(prompt_ids=_prompt(ROOM_TOKENS + 100, 300), mode="autoregressive", max_new_tokens=2))
+    assert event.kind == "error" and "memory limit" in event.error and f"{engine.max_input_tokens:,}" in event.error
+
+
+def test_a_request_beyond_the_budget_is_refused_at_once_and_the_engine_keeps_serving(small_budget_engine):
+    engine = small_budget_engine
+    stream = engine.generate(Request(prompt_ids=_prompt(1500, 300), mode="autoregressive", max_new_tokens=600))
+    assert "memory limit" in stream.refusal and "2,100 tokens" in stream.refusal
+    event = engine.run(Request(prompt_ids=_prompt(1000, 300), mode="autoregressive", max_new_tokens=4))
+    assert event.kind == "done" and len(event.token_ids) == 4
+
+
+def test_an_idle_conversations_cache_is_dropped_to_admit_a_request_that_needs_its_memory(small_budget_engine):
+    engine = small_budget_engine
+    first, second = _prompt(1200, 300, seed=3), _prompt(1200, 300, seed=4)
+    engine.run(Request(prompt_ids=first, mode="autoregressive", max_new_tokens=4))
+    assert engine.sessions.kv_cache_bytes >= 1200 * engine.target.kv_bytes_per_token  # kept for a next turn
+    event = engine.run(Request(prompt_ids=second, mode="autoregressive", max_new_tokens=4))
+    assert event.kind == "done"
+    held = engine.budget.bytes_held(engine.sessions.kv_cache_bytes)
+    assert held <= engine.budget.room, "the first conversation's cache should have been dropped"
+
+
+def test_rows_that_would_not_fit_padded_to_the_longest_are_not_batched(small_budget_engine, monkeypatch):
+    """A 1,500-token conversation and a 200-token one fit the budget side by side, not as two
+    1,500-token rows: they take turns on their own caches, each answer as it is alone."""
+    engine = small_budget_engine
+    long, short = _prompt(1500, 300, seed=5), _prompt(200, 300, seed=6)
+    alone = [engine.run(Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8)).token_ids for p in (long, short)]
+    joined: list[int] = []
+    join = engine._batch.join
+    monkeypatch.setattr(engine._batch, "join", lambda members: (joined.append(len(members)), join(members)))
+    streams = [engine.generate(Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8)) for p in (long, short)]
+    answers = [[e for e in stream if e.final][0].token_ids for stream in streams]
+    assert answers == alone and not joined

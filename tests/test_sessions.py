@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine, Request
-from engine.core.sessions import CONTINUES, MAX_SESSIONS, default_capacity
+from engine.core.sessions import CONTINUES
 
 ANSWER = 16
 
@@ -76,12 +76,6 @@ def test_a_conversation_opened_again_continues_in_its_own_session_not_the_longer
     answer, metrics = turn(engine, follow_up)
     assert metrics["cached_tokens"] >= len(first) + ANSWER - 1
     assert answer == alone(engine, follow_up)
-
-
-def test_the_default_pool_fits_the_memory_available(monkeypatch):
-    assert 1 <= default_capacity(28 * 1024, 32768) <= MAX_SESSIONS
-    assert default_capacity(1 << 40, 32768) == 1  # never less than one conversation
-    assert default_capacity(1, 1) == MAX_SESSIONS
 
 
 def test_a_failure_to_find_a_session_ends_the_request_with_an_error(two_sessions, monkeypatch):

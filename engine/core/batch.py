@@ -46,6 +46,7 @@ class Batch:
         self.empty_state = template.empty_state
         self.request = self.compiled.create_infer_request()
         self.max_context = template.max_context
+        self.kv_bytes_per_token = template.kv_bytes_per_token
         self.rows: list[Row] = []
         self.slots = 0
         self._physical: list[int] = []  # each row's index in the states as they are now
@@ -57,6 +58,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What the rows' entries take, each row padded to the longest."""
+        return len(self.rows) * self.slots * self.kv_bytes_per_token
 
     def join(self, members: Sequence[tuple[Hashable, Runtime]]) -> None:
         """Add a row per ``(key, home)``, holding what ``home``'s cache holds (one rebuild for

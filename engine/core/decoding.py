@@ -152,7 +152,7 @@ class PassCosts:
             extra = time.perf_counter() - start - plain
             runtime.forward([0] * (k + 1), rows=k + 1)  # the first pass of this shape sets it up
             verify = timed(runtime, k + 1)
-            runtime.reset()
+            runtime.release()  # (a reset would keep the plugin's buffers for this many tokens)
             return max(extra, 0.0) / plain, verify / plain
 
         verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))

@@ -27,15 +27,16 @@ from typing import TypeVar
 
 from engine.core import chat
 from engine.core.batch import Batch
+from engine.core.budget import MemoryBudget, gigabytes
 from engine.core.chat import check_messages
 from engine.core.decoding import DecodeConfig, Decoder, PassCosts, Provenance, Round
 from engine.core.drafters import Drafter
-from engine.core.memory import return_freed_buffers
+from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.metrics import Baseline, Stats
 from engine.core.modes import BEST_K, COPY_WIDTHS, MODES, DrafterParts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
-from engine.core.sessions import Session, SessionPool, default_capacity
+from engine.core.sessions import MAX_SESSIONS, Session, SessionPool
 from engine.core.textstream import IncrementalDecoder, StopStrings
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
@@ -60,6 +61,8 @@ STEP_TIMEOUT = 120.0
 # Requests served together; more wait in the queue. On this machine a batched step over 8 rows
 # costs 1.4x a single row's (docs/design.md, "Batching").
 MAX_BATCH = 8
+# Tokens of answer the input cap leaves room for in the memory budget.
+MIN_ANSWER_ROOM = 256
 log = logging.getLogger("specchat.engine")
 
 
@@ -236,15 +239,18 @@ class Engine:
         max_input_tokens: int | None = None,
         step_timeout: float = STEP_TIMEOUT,
         max_sessions: int | None = None,
+        memory_limit: int | None = None,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
         logits for the first N token ids only (None: all). ``max_input_tokens``: the longest
         prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
         without progress after which a stream fails and the engine reports itself unhealthy.
-        ``max_sessions``: conversations whose KV caches are kept (default: what fits in half the
-        memory available at start, :mod:`engine.core.sessions`). The two models must share one
-        vocabulary (``engine.prepare`` checks it)."""
+        ``max_sessions``: conversations whose KV caches are kept (default:
+        :data:`~engine.core.sessions.MAX_SESSIONS`, their bytes bounded by the budget).
+        ``memory_limit``: bytes the process may hold (default: a share of the machine's memory,
+        :mod:`engine.core.budget`); the input cap follows from it too. The two models must share
+        one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
@@ -291,20 +297,23 @@ class Engine:
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
         self.max_context = self.target.max_context
-        self.max_input_tokens = max_input_tokens or int(self.max_context * INPUT_SHARE)
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
-        self.sessions = SessionPool(
-            self.target,
-            self.draft,
-            self._drafters,
-            max_sessions or default_capacity(per_token, self.max_context),
+        self.budget = MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token)
+        log.info(self.budget.describe())
+        # The longest prompt accepted: a share of the context, and what the budget holds beside an answer.
+        self.max_input_tokens = min(
+            max_input_tokens or int(self.max_context * INPUT_SHARE), self.budget.tokens - MIN_ANSWER_ROOM
         )
+        if self.budget.tokens <= 2 * MIN_ANSWER_ROOM:
+            raise EngineError(f"the {self.budget.describe()} is too small to serve a conversation: raise the limit")
+        self.sessions = SessionPool(self.target, self.draft, self._drafters, max_sessions or MAX_SESSIONS)
         self.step_timeout = step_timeout
         self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
         self._serving: list[_Job] = []  # started, not finished (worker thread only)
+        self._held: _Job | None = None  # the next to start, waiting for memory (worker thread only)
         self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()
         self._busy = threading.Lock()
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
@@ -332,11 +341,18 @@ class Engine:
         """Start queued requests while there is room (waiting for one when idle); run the
         queued tool jobs (:meth:`with_models`) as they come."""
         while len(self._serving) < self.max_batch:
-            try:
-                item = self._jobs.get(block=not self._serving)
-            except queue.Empty:
-                return
+            item: _Job | Callable[[], None]
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                try:
+                    item = self._jobs.get(block=not self._serving)
+                except queue.Empty:
+                    return
             if isinstance(item, _Job):
+                if not self._room_for(item):
+                    self._held = item  # (first in line: nothing starts before it)
+                    return
                 self._start(item)
             else:
                 with self._busy:
@@ -382,12 +398,12 @@ class Engine:
     @property
     def pending(self) -> int:
         """Requests waiting for or using the engine."""
-        return self._jobs.qsize() + len(self._serving)
+        return self.waiting + len(self._serving)
 
     @property
     def waiting(self) -> int:
-        """Requests queued, not yet taken up (they wait only while the engine is full)."""
-        return self._jobs.qsize()
+        """Requests queued, not yet taken up (they wait while the engine is full, or for memory)."""
+        return self._jobs.qsize() + (self._held is not None)
 
     @property
     def full(self) -> bool:
@@ -398,7 +414,13 @@ class Engine:
     def check(self, request: Request) -> list[int]:
         """The request's prompt ids, or an :class:`EngineError` saying what is wrong with it."""
         request.check(self.modes, self.max_context)
-        return self.prompt_ids(request)
+        prompt = self.prompt_ids(request)
+        self.budget.check(self._tokens_needed(prompt, request), "this request")
+        return prompt
+
+    def _tokens_needed(self, prompt: list[int], request: Request) -> int:
+        """The most tokens a request's caches may hold: its prompt and its whole answer."""
+        return min(len(prompt) + request.max_new_tokens, self.max_context)
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The request's prompt, refused above ``max_input_tokens`` (checked on characters first,
@@ -422,9 +444,14 @@ class Engine:
         return ids + list(request.answer_ids)
 
     def _too_long(self, length: str) -> EngineError:
+        bound = (
+            f"its memory limit of {gigabytes(self.budget.limit)} holds {self.budget.tokens:,} tokens of cache"
+            if self.max_input_tokens + MIN_ANSWER_ROOM >= self.budget.tokens
+            else f"the model's context holds {self.max_context:,}"
+        )
         return EngineError(
             f"the conversation is {length} long; this server takes at most {self.max_input_tokens:,} tokens of "
-            f"input (the model's context holds {self.max_context:,}). Shorten the message or clear the chat."
+            f"input ({bound}). Shorten the message or clear the chat."
         )
 
     def text(self, token_ids: list[int]) -> str:
@@ -472,6 +499,41 @@ class Engine:
             return
         self._guard([job], start)
 
+    def _room_for(self, job: _Job) -> bool:
+        """Whether the caches ``job`` may grow to fit in the memory budget beside the others',
+        after dropping idle conversations' caches (least recently used first; never the one it
+        continues). A cancelled job starts (and ends) at once."""
+        if job.cancel.is_set():
+            return True
+        busy = [j.session for j in self._serving if j.session is not None]
+        keep = self.sessions.continued(job.prompt, busy)
+        need = self._tokens_needed(job.prompt, job.request) * self.budget.per_token
+        need -= self.budget.bytes_held(keep.kv_cache_bytes) if keep is not None else 0  # (already held)
+        idle = [s for s in self.sessions.idle(busy) if s is not keep]
+        while self.budget.bytes_held(self._cache_bytes()) + need > self.budget.room and idle:
+            idle.pop(0).release()
+        # (alone it fits: Engine.check refused what does not)
+        return not self._serving or self.budget.bytes_held(self._cache_bytes()) + need <= self.budget.room
+
+    def _cache_bytes(self) -> int:
+        """What every KV cache holds: the conversations' and the batch's rows (padded to the longest)."""
+        return self.sessions.kv_cache_bytes + self._batch.kv_cache_bytes
+
+    def _batchable(self, jobs: list[_Job]) -> list[_Job]:
+        """The generating requests whose rows fit the budget together, padded to the longest row:
+        the shortest first. A row a thousand times longer than the others would otherwise make
+        each of them that long."""
+        members = [j.session for j in jobs]
+        others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
+        room = self.budget.room - self.budget.bytes_held(others)
+        chosen: list[_Job] = []
+        for job in sorted(jobs, key=lambda j: len(j.decoder.context)):  # type: ignore[union-attr]
+            width = len(job.decoder.context)  # type: ignore[union-attr]
+            if (len(chosen) + 1) * self.budget.bytes_held(width * self.target.kv_bytes_per_token) > room:
+                break
+            chosen.append(job)
+        return chosen if len(chosen) > 1 else []
+
     def _advance(self) -> None:
         """One iteration: the prompts waiting to be read, up to the first that needs a prefill
         chunk of its own (a long one: that chunk is the iteration's prefill), then one round of
@@ -483,10 +545,11 @@ class Engine:
             if job.prefill is not None:
                 break
         generating = [j for j in self._serving if j.prefill is None]
-        if len(generating) == 1:
-            self._guard(generating, lambda: self._alone(generating[0]))
-        elif generating:
-            self._guard(generating, lambda: self._together(generating))
+        together = self._batchable(generating) if len(generating) > 1 else []
+        if together:
+            self._guard(together, lambda: self._together(together))
+        for job in [j for j in generating if j not in together and j in self._serving]:
+            self._guard([job], functools.partial(self._alone, job))
 
     def _read_prompt(self, job: _Job) -> None:
         assert job.prefill is not None and job.decoder is not None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.core.drafters import Drafter
 from engine.core.runtime import Runtime, common_prefix
@@ -22,8 +21,9 @@ from engine.core.runtime import Runtime, common_prefix
 # (the rest: the last answer's tail, re-tokenized) and more than the chat template's header.
 CONTINUES = 0.5
 MIN_SHARED = 32
+# Conversations kept at most (each an InferRequest on the shared models); the bytes their caches
+# take are the memory budget's to bound (engine.core.budget).
 MAX_SESSIONS = 32
-MEMORY_SHARE = 0.5  # of the memory available at start, for the sessions' KV caches
 
 
 @dataclass
@@ -36,6 +36,16 @@ class Session:
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.reset()
+
+    def release(self) -> None:
+        """Drop the conversation's caches and give their memory back."""
+        for runtime in (self.target, self.draft):
+            if runtime is not None:
+                runtime.release()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.target.kv_cache_bytes + (self.draft.kv_cache_bytes if self.draft is not None else 0)
 
 
 class SessionPool:
@@ -58,17 +68,36 @@ class SessionPool:
     def take(self, prompt: list[int], busy: Collection[Session] = ()) -> Session:
         """The session for ``prompt``, moved to most recently used; never one of ``busy`` (those
         serving other requests: the caller keeps fewer requests going than :attr:`capacity`)."""
-        free = [i for i, s in enumerate(self.sessions) if not any(s is b for b in busy)]
-        shared = {i: common_prefix(self.sessions[i].target.tokens, prompt) for i in free}
-        # Among the sessions the prompt continues: a session holding a longer conversation that
-        # this prompt repeats the start of (the same opening, asked again) is not this one's.
-        continued = [i for i in free if shared[i] and self._continues(self.sessions[i], shared[i])]
-        best = max(continued, key=lambda i: (shared[i], i), default=None)  # the latest on a tie
+        free = self._free_indices(busy)
+        best = self._continued(prompt, free)
         if best is None:
             best = self._free(free)
         session = self.sessions.pop(best)
         self.sessions.append(session)
         return session
+
+    def continued(self, prompt: list[int], busy: Collection[Session] = ()) -> Session | None:
+        """The session whose cache ``prompt`` continues, if any (:meth:`take` would give it)."""
+        best = self._continued(prompt, self._free_indices(busy))
+        return None if best is None else self.sessions[best]
+
+    def idle(self, busy: Collection[Session] = ()) -> list[Session]:
+        """The sessions holding a cache that no request uses, least recently used first."""
+        return [self.sessions[i] for i in self._free_indices(busy) if self.sessions[i].kv_cache_bytes]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(session.kv_cache_bytes for session in self.sessions)
+
+    def _free_indices(self, busy: Collection[Session]) -> list[int]:
+        return [i for i, s in enumerate(self.sessions) if not any(s is b for b in busy)]
+
+    def _continued(self, prompt: list[int], free: list[int]) -> int | None:
+        shared = {i: common_prefix(self.sessions[i].target.tokens, prompt) for i in free}
+        # Among the sessions the prompt continues: a session holding a longer conversation that
+        # this prompt repeats the start of (the same opening, asked again) is not this one's.
+        continued = [i for i in free if shared[i] and self._continues(self.sessions[i], shared[i])]
+        return max(continued, key=lambda i: (shared[i], i), default=None)  # the latest on a tie
 
     @staticmethod
     def _continues(session: Session, shared: int) -> bool:
@@ -89,16 +118,3 @@ class SessionPool:
         if not free:
             raise RuntimeError("every session is serving a request")
         return free[0]
-
-
-def default_capacity(kv_bytes_per_token: int, max_tokens: int) -> int:
-    """As many sessions as fit in :data:`MEMORY_SHARE` of the memory available now, each with a
-    full ``max_tokens`` conversation in its caches (1 to :data:`MAX_SESSIONS`)."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available = (
-            int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable"))) * 1024
-        )
-    except (OSError, StopIteration, ValueError):  # not Linux: a modest default
-        return 4
-    return max(1, min(MAX_SESSIONS, int(available * MEMORY_SHARE) // max(1, kv_bytes_per_token * max_tokens)))

@@ -1,0 +1,111 @@
+"""The memory the engine may use, and what each conversation's KV caches take of it.
+
+A server's memory goes to the models (fixed once loaded), to the KV caches of the conversations it
+keeps (they grow with their length) and to what a pass holds while it runs (its attention scores
+grow with its width times the context). The budget is a limit for the whole process
+(``--memory-limit``; by default :data:`DEFAULT_SHARE` of the machine's memory); what the loaded
+models leave of it, less :data:`HEADROOM`, is the room for caches. A request is admitted only while
+the caches it may need fit in that room beside the others': idle conversations' caches are dropped
+first (least recently used), then it waits for a running request to end, and one that could not
+fit even alone is refused at once, its message naming the limit. A batch's rows are padded to the
+longest, so a row joins only while the padded batch fits (docs/design.md, "Memory").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import EngineError
+
+DEFAULT_SHARE = 0.3
+# Bytes the process may grow by beside the caches: the web server's handlers, a tokenizer's
+# buffers, a pass's activations.
+HEADROOM = 768 * 2**20
+# What the process holds per byte of a cache's entries, measured while a long prompt is read into
+# the default target (2-core AVX-512 machine, 2026-11-25: 78 KB of resident memory per token
+# against 28 KB of bf16 entries): the plugin grows a cache's buffer ahead of its entries, and a
+# chunk's attention scores grow with the context.
+RESIDENT_PER_CACHED_BYTE = 3
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"8G"``, ``"7.5GB"``, ``"6000M"`` or a plain number of bytes (powers of 1,024)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (write it as 8G, 7.5GB or 6000M)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def machine_memory() -> int:
+    """The memory this process may use: the machine's, or its control group's limit if lower
+    (0 where neither can be read)."""
+    total = 0
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        total = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemTotal"))) * 1024
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit)) if total else int(limit)
+    except OSError:
+        pass
+    return total
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """``limit``: bytes the process may hold; ``base``: what it holds with the models loaded;
+    ``per_token``: cache bytes per token of a conversation, as held (both models' caches)."""
+
+    limit: int
+    base: int
+    per_token: int
+
+    @classmethod
+    def of_machine(cls, limit: int | None, base: int, per_token: int) -> MemoryBudget:
+        """The budget for ``limit`` bytes (None: :data:`DEFAULT_SHARE` of the machine's memory)."""
+        if limit is None:
+            limit = int(machine_memory() * DEFAULT_SHARE) or base + 4 * 2**30
+        return cls(limit, base, per_token * RESIDENT_PER_CACHED_BYTE)
+
+    def bytes_held(self, cache_bytes: int) -> int:
+        """What caches of ``cache_bytes`` entries hold of the process's memory."""
+        return cache_bytes * RESIDENT_PER_CACHED_BYTE
+
+    @property
+    def room(self) -> int:
+        """Bytes for KV caches (every conversation's and the batch's)."""
+        return max(0, self.limit - self.base - HEADROOM)
+
+    def bytes_for(self, tokens: int) -> int:
+        return tokens * self.per_token
+
+    @property
+    def tokens(self) -> int:
+        """The most tokens of caches the room holds."""
+        return self.room // max(1, self.per_token)
+
+    def check(self, tokens: int, what: str) -> None:
+        """Refuse a request whose caches may grow to ``tokens`` where the room cannot hold them
+        even with nothing else cached."""
+        if tokens > self.tokens:
+            raise EngineError(
+                f"{what} needs room for {tokens:,} tokens of KV cache (about {gigabytes(self.bytes_for(tokens))}); "
+                f"this server's memory limit of {gigabytes(self.limit)} leaves room for {self.tokens:,} "
+                f"beside its models ({gigabytes(self.base)}). Shorten the conversation or ask for a shorter answer."
+            )
+
+    def describe(self) -> str:
+        return (
+            f"memory budget {gigabytes(self.limit)}: models and runtime {gigabytes(self.base)}, "
+            f"{gigabytes(self.room)} for KV caches ({self.tokens:,} tokens at {self.per_token / 1e3:.0f} KB each)"
+        )
