@@ -116,10 +116,11 @@ def test_rows_that_would_not_fit_padded_to_the_longest_are_not_batched(small_bud
     1,500-token rows: they take turns on their own caches, each answer as it is alone."""
     engine = small_budget_engine
     long, short = _prompt(1500, 300, seed=5), _prompt(200, 300, seed=6)
-    alone = [engine.run(Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8)).token_ids for p in (long, short)]
+    requests = [Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8) for p in (long, short)]
+    alone = [engine.run(request).token_ids for request in requests]
     joined: list[int] = []
     join = engine._batch.join
     monkeypatch.setattr(engine._batch, "join", lambda members: (joined.append(len(members)), join(members)))
-    streams = [engine.generate(Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8)) for p in (long, short)]
-    answers = [[e for e in stream if e.final][0].token_ids for stream in streams]
+    streams = [engine.generate(request) for request in requests]
+    answers = [next(e for e in stream if e.final).token_ids for stream in streams]
     assert answers == alone and not joined
