@@ -237,6 +237,23 @@ def summarize(runs: list[Run]) -> list[dict]:
     return rows
 
 
+# How far `best` may trail the fastest of our fixed modes in one run before --check-best fails.
+BEST_TOLERANCE = 0.03
+
+
+def best_trails(rows: list[dict], tolerance: float = BEST_TOLERANCE) -> str | None:
+    """Where `best` is more than ``tolerance`` slower than the fastest of our own fixed modes in
+    the same run: what to say of it (None: it is not)."""
+    speed = {row["mode"]: row["tokens_per_s"] for row in rows}
+    ours = {mode: tps for mode, tps in speed.items() if mode != "best" and mode.split("-k")[0] in BY_SHORT_NAME}
+    if "best" not in speed or not ours:
+        return None
+    fastest = max(ours, key=ours.__getitem__)
+    if speed["best"] >= (1 - tolerance) * ours[fastest]:
+        return None
+    return f"best ({speed['best']:.1f} tokens/s) trails {fastest} ({ours[fastest]:.1f}) by more than {tolerance:.0%}"
+
+
 def chat_history(engine: Engine, tokens: int) -> tuple[dict, ...]:
     """A conversation of about ``tokens`` tokens to put before each prompt: this project's own
     source pasted in a first turn, and a short reply (a coding chat a few turns in)."""
@@ -303,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="draft head over the first N token ids only (FR-Spec style); default: all",
     )
+    parser.add_argument(
+        "--check-best",
+        action="store_true",
+        help=f"exit 1 where best is more than {BEST_TOLERANCE:.0%} slower than the fastest of our fixed modes",
+    )
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
@@ -333,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             {"summary": rows, "runs": [r.__dict__ for r in runs], "max_new_tokens": args.max_new_tokens}, indent=1
         ),
     )
+    if args.check_best and (trailing := best_trails(rows)):
+        print(f"check failed: {trailing}", file=sys.stderr)
+        return 1
     return 0
 
 

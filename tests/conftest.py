@@ -22,22 +22,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: starts a two-node Ray cluster on loopback (a minute or two)")
 
 
-@pytest.fixture(autouse=True)
-def pacer_trusts_tiny_models(request, monkeypatch):
-    """Random tiny models are never sure of their next token (top probability ~0.01), so the
-    pacer would never try speculation on them; their tests run it as if the target were sure
-    (tests/test_decoding.py checks the floor itself). Nor does a round on them cost what it costs
-    a real pair (their passes are all overhead), so the break-even acceptance the engine measures
-    at start is 0 for them too, and every lookup copy is worth verifying. Tests on the real pair keep
-    all three."""
-    if request.node.get_closest_marker("real") is None:
-        from engine.core.decoding import Pacer, PassCosts
-
-        monkeypatch.setattr(Pacer, "floor", 0.0)
-        monkeypatch.setattr(PassCosts, "break_even", lambda self, context=0: 0.0)
-        monkeypatch.setattr(PassCosts, "worth_copying", lambda self, offered, acceptance, context=0: offered)
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")
@@ -77,12 +61,15 @@ def ir_draft(hf_draft, tiny_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(ir_target, ir_draft):
-    """An engine on the tiny pair at f32, where speculative decoding must be exact."""
+    """An engine on the tiny pair at f32, where speculative decoding must be exact. Its paced mode
+    has no machine figures (``Pacing()``): a tiny model's passes are all overhead, so what they cost
+    says nothing of a real pair's, and every round may pay (as in each tiny engine of the tests)."""
+    from engine.core.pacing import Pacing
     from engine.core.service import Engine
 
     # One session: the tests that inject faults or slowness patch engine.target, the one the
     # requests must then use (tests/test_sessions.py has its own engine with two).
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1)
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing())
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from scipy import stats as scipy_stats
 
 from engine.core import batch as batch_module
 from engine.core.decoding import Decoder
+from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine, Event, Request, Stream
@@ -25,7 +26,7 @@ ANSWER = 24
 
 @pytest.fixture(scope="module")
 def shared(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4)
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing())
 
 
 def ask(text: str, mode: str = "best", **fields) -> Request:

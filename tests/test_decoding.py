@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.core import decoding
-from engine.core.decoding import (
-    REJECTION_CONTEXTS,
-    TRY_MARGIN,
-    DecodeConfig,
-    Decoder,
-    Pacer,
-    PassCosts,
-    Provenance,
-    Round,
-    break_even_acceptance,
-    decode,
-    expected_tokens,
-)
+from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round, decode
 from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.core.metrics import Stats
+from engine.core.pacing import (
+    CEILING,
+    REJECTION_CONTEXTS,
+    TRY_MARGIN,
+    Pacer,
+    Pacing,
+    PassCosts,
+    break_even_acceptance,
+    expected_tokens,
+)
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Request
@@ -186,8 +182,7 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, 
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
     so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
-    Paced (with no plain lead), the round after that is a plain step (the pacer measures both kinds)."""
-    monkeypatch.setattr(Pacer, "lead", 0)
+    Paced, the round after that is a plain step (the pacer measures both kinds)."""
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
@@ -195,9 +190,8 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, 
     sd_counts: dict[tuple, int] = {}
     drafted = 0
     for seed in range(draws):
-        tokens, stats = run(
-            target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=replace(params, seed=seed), paced=paced
-        )
+        sampling, pacing = replace(params, seed=seed), Pacing() if paced else None
+        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=sampling, pacing=pacing)
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
     assert drafted >= draws, "every run should have drafted in its second round"
@@ -394,89 +388,74 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_tar
     assert stats.target_passes == 1 + 40 // 5  # the prompt, then K + 1 = 5 tokens per pass
 
 
-def paced_kinds(pacer: Pacer, rounds: int, cost, confidence=lambda i: 0.9) -> list[bool]:
-    """Which kind each of ``rounds`` rounds runs: ``cost(speculative)`` gives (seconds, tokens),
-    ``confidence(i)`` the target's top probability at round i's plain step."""
+def paced_kinds(pacer: Pacer, rounds: int, cost) -> list[bool]:
+    """Which kind each of ``rounds`` rounds runs: ``cost(speculative)`` gives (seconds, tokens)."""
     kinds = []
-    for i in range(rounds):
+    for _ in range(rounds):
         speculative = pacer.speculate()
         kinds.append(speculative)
-        if not speculative:
-            pacer.observe(confidence(i))
         pacer.record(speculative, *cost(speculative))
     return kinds
 
 
 def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and_less():
     kinds = paced_kinds(Pacer(), 200, lambda spec: (0.3 if spec else 0.1, 1))  # speculation three times dearer
-    assert kinds[:4] == [False] * Pacer.lead + [True, False]  # plain steps measure the target's confidence first
+    assert kinds[:3] == [True, False, False]  # a try, a plain step to compare, then the cheaper
     plain_between_probes = np.diff([i for i, k in enumerate(kinds) if k]) - 1
-    assert list(plain_between_probes[:4]) == [8, 16, 32, 64] and set(plain_between_probes[4:]) == {64}
+    assert list(plain_between_probes[:3]) == [9, 16, 32] and set(plain_between_probes[3:]) == {Pacer.MAX_INTERVAL}
 
 
 def test_the_pacer_comes_back_to_speculation_when_it_pays_again():
     pacer = Pacer()
     paced_kinds(pacer, 40, lambda spec: (0.3 if spec else 0.1, 1))  # plain is cheaper for a while
-    assert pacer.interval > pacer.min_interval
+    assert pacer.interval > Pacer.MIN_INTERVAL
     # Then drafts start to land (code after prose): speculation is cheaper.
     kinds = paced_kinds(pacer, 80, lambda spec: (0.2 if spec else 0.1, 4 if spec else 1))
-    assert kinds.index(True) <= 32 and sum(kinds[-40:]) >= 36  # back at the first probe, then mostly speculative
+    assert kinds.index(True) <= Pacer.MAX_INTERVAL and sum(kinds[-40:]) >= 36  # back at the first probe
 
 
-def test_the_pacer_tries_speculation_only_where_the_target_looks_predictable(monkeypatch):
-    """Prose the target is unsure of: no speculative round at all (no draft catch-up either);
-    once it grows sure (code after prose), speculation is tried at the next chance."""
-    monkeypatch.setattr(Pacer, "floor", 0.75)
-    unsure = paced_kinds(Pacer(), 100, lambda spec: (0.1, 1), confidence=lambda i: 0.6)
-    assert not any(unsure)
-    kinds = paced_kinds(Pacer(), 60, lambda spec: (0.05 if spec else 0.1, 1), lambda i: 0.5 if i < 30 else 0.95)
-    assert not any(kinds[:30]) and kinds.index(True) <= 34 and all(kinds[34:41])
+def test_a_new_requests_pacer_starts_from_what_the_server_measured_on_that_kind_of_text():
+    """Prose where the draft model did not pay: the next request on prose starts with plain steps,
+    without a try; on code, where nothing was measured yet, it tries the draft model first. Where
+    the draft model paid, the next request speculates from its first round."""
+    pacing = Pacing()
+    paced_kinds(pacing.pacer(False, 5), 30, lambda spec: (0.3 if spec else 0.1, 1))
+    assert paced_kinds(pacing.pacer(False, 5), 8, lambda spec: (0.3 if spec else 0.1, 1)) == [False] * 8
+    assert pacing.pacer(True, 5).speculate()
+    paced_kinds(pacing.pacer(True, 5), 30, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1))
+    assert paced_kinds(pacing.pacer(True, 5), 8, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1)) == [True] * 8
 
 
-def test_the_pacer_does_not_try_speculation_below_the_machines_break_even(monkeypatch):
-    """Where a round costs 1.9 plain steps, a target 70% sure of its tokens is not worth a try,
-    one 85% sure is. Where it costs four (an AVX2 CPU), drafts must land more than nine times in
-    ten, more than the draft agrees with the target even on code: not even a target 97% sure of
-    its tokens is worth a try there."""
-    monkeypatch.undo()  # the real floor and break-even (conftest sets both to 0 for tiny models)
+def test_the_draft_model_is_not_run_where_a_round_needs_more_acceptance_than_the_draft_reaches():
+    """Where a round costs 1.9 plain steps, drafts landing seven times in ten pay. Where it costs
+    four (an AVX2 CPU), they must land more than nine times in ten, more than the draft agrees with
+    the target even on code: the draft model is not run there at all."""
     assert break_even_acceptance(0.9, 4) == 0.0 and break_even_acceptance(5.0, 4) == math.inf
     alpha = break_even_acceptance(4.0, 4)
     assert 0.88 < alpha < 0.9 and (1 - alpha**5) / (1 - alpha) == pytest.approx(4.0)
-    avx2 = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # measured on that CPU (1-token draft steps)
-    assert avx2.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4)) and avx2.break_even() > alpha
-    assert AVX512.break_even() < Pacer.floor < Pacer.ceiling < avx2.break_even()
-
-    def tries(costs: PassCosts, confidence: float) -> bool:
-        return any(paced_kinds(Pacer(break_even=costs.break_even()), 60, lambda spec: (0.1, 1), lambda i: confidence))
-
-    assert not tries(AVX512, 0.7) and tries(AVX512, 0.85)
-    assert not tries(avx2, 0.85) and not tries(avx2, 0.97)
+    assert AVX2_MEASURED.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4))
+    assert AVX512.break_even() < CEILING < AVX2_MEASURED.break_even()
+    assert Pacing(AVX512).draft_model_may_pay and not Pacing(AVX2_MEASURED).draft_model_may_pay
+    assert Pacing().draft_model_may_pay  # no machine figures: any round may pay
 
 
-def test_where_the_draft_cannot_reach_the_break_even_a_paced_request_never_runs_it(pair, tok, monkeypatch):
-    """A break-even above the pacer's ceiling (an AVX2 CPU that measured a round at just under its
-    price) leaves only free drafts, even where the target is sure of every token: the draft model
-    never runs, nor reads the conversation."""
-    monkeypatch.setattr(decoding, "top_probability", lambda logits: 0.99)
+def test_where_the_draft_cannot_reach_the_break_even_a_paced_request_never_runs_it(pair, tok):
+    """A break-even above the ceiling (an AVX2 CPU) leaves only free drafts: the draft model never
+    runs, nor reads the conversation."""
     target, drafter = pair
     prompt = tok.encode(PROMPTS[3])
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
     _reset(drafter)
     passes = drafter.runtime.passes
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=flat(0.95))
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, pacing=Pacing(AVX2_MEASURED))
     assert tokens == expected and stats.drafted == 0 and drafter.runtime.passes == passes
-
-
-def flat(level: float) -> Callable[[int], float]:
-    """A machine's break-even acceptance, the same at every context length."""
-    return lambda context: level
 
 
 def test_paced_decoding_where_no_round_can_pay_runs_plain_steps_only(pair, tok):
     target, drafter = pair
     prompt = tok.encode(PROMPTS[3])
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=flat(math.inf))
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, pacing=Pacing(HOPELESS))
     assert tokens == expected and stats.drafted == 0 and not drafter.runtime.tokens
 
 
@@ -500,13 +479,14 @@ def test_a_rejection_costs_more_the_longer_the_context():
 # 8,000 tokens, in plain steps, as measured on two CPUs (docs/benchmarks.md).
 AVX2 = PassCosts(1.0, ((2, 1.41), (5, 2.54), (9, 3.2), (17, 5.44)), 0.36, 4, ((1000, 0.35), (4000, 1.6), (8000, 6.1)))
 AVX512 = PassCosts(1.0, ((2, 1.05), (5, 1.4), (9, 1.6), (17, 2.0)), 0.3, 4, ((1000, 0.5), (4000, 2.0), (8000, 4.0)))
+AVX2_MEASURED = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # (1-token draft steps)
+HOPELESS = PassCosts(1.0, ((5, 6.0),), 0.5, 4)  # a verify pass dearer than K + 1 plain steps
 
 
-def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine(monkeypatch):
+def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine():
     """Where each extra verify row costs a third of a step, a 16-token copy is worth verifying whole
     only where copies always land, partly where they often do, not at all where they seldom do;
     where rows are nearly free, the whole copy is worth it at the acceptance that cuts it there."""
-    monkeypatch.undo()  # the real price (conftest takes every copy whole for tiny models)
     assert AVX2.worth_copying(16, 1.0) == 16
     assert 1 <= AVX2.worth_copying(16, 0.95) < 16 and 1 <= AVX2.worth_copying(16, 0.8) < 16
     assert AVX2.worth_copying(16, 0.3) == 0
@@ -517,19 +497,17 @@ def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine(monkey
         assert n == 0 or gains[n - 1] == max(gains) >= TRY_MARGIN
 
 
-def test_a_lookup_copy_is_cut_shorter_where_a_rejection_costs_a_long_trim(monkeypatch):
+def test_a_lookup_copy_is_cut_shorter_where_a_rejection_costs_a_long_trim():
     """After a rejected token the target's cache is trimmed, a copy of every state, and the plugin
     regrows its buffers: at 8,000 tokens that costs more than the verify pass, so a copy must land
     more surely to pay."""
-    monkeypatch.undo()
     for costs in (AVX2, AVX512):
         short, long = costs.worth_copying(16, 0.8, context=100), costs.worth_copying(16, 0.8, context=8000)
         assert long < short
     assert AVX2.worth_copying(16, 0.99, context=8000) >= 8 and AVX2.worth_copying(16, 1.0, context=8000) == 16
 
 
-def test_a_priced_lookup_learns_how_often_its_copies_land(monkeypatch):
-    monkeypatch.undo()
+def test_a_priced_lookup_learns_how_often_its_copies_land():
     context = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4])
     lookup = LookupDrafter(16, min_match=4, span=5, price=AVX2.worth_copying)
     first = lookup.free(context, 4, SamplingParams()).tokens
@@ -555,7 +533,7 @@ def test_where_the_draft_model_cannot_pay_lookup_copies_still_run_and_the_answer
     for text in PROMPTS:
         prompt = tok.encode(text)
         expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
-        tokens, stats = run(target, hybrid, prompt, k=4, max_new_tokens=40, paced=True, break_even=flat(math.inf))
+        tokens, stats = run(target, hybrid, prompt, k=4, max_new_tokens=40, pacing=Pacing(HOPELESS))
         assert tokens == expected
         drafted += stats.drafted
     assert drafted > 0 and model.runtime.passes == passes
@@ -565,24 +543,12 @@ def test_paced_decoding_gives_the_autoregressive_answer_whichever_rounds_run(pai
     target, drafter = pair
     prompt = tok.encode(PROMPTS[3])
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, paced=True)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, pacing=Pacing())
     assert tokens == expected and stats.drafted > 0
     slowed(monkeypatch, drafter.runtime, 0.02)  # a draft this slow never pays
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, paced=True)
+    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=40, pacing=Pacing())
     assert tokens == expected
     assert stats.plain_rounds >= 30 and stats.rounds - stats.plain_rounds <= 5  # the prompt's step, 1 + probes
-
-
-def test_paced_decoding_on_an_unsure_target_never_drafts(pair, tok, monkeypatch):
-    """A tiny random target is never sure of its next token: with the real floor the pacer never
-    tries speculation, the draft never reads the prompt, and the answer is the same."""
-    monkeypatch.setattr(Pacer, "floor", 0.75)
-    target, drafter = pair
-    prompt = tok.encode(PROMPTS[3])
-    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=30)
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=30, paced=True)
-    assert tokens == expected
-    assert stats.drafted == 0 and stats.draft_seconds == 0 and not drafter.runtime.tokens
 
 
 def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, tok):
@@ -612,10 +578,10 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
     pacer = Pacer()
     paced_kinds(pacer, 20, lambda spec: (0.115, 5) if spec else (0.05, 1))
     pacer.record(True, 0.115, 1)
-    assert pacer.cost(True) < pacer.cost(False)
+    assert pacer.figures[True].cost < pacer.figures[False].cost
     for _ in range(3):  # a run of them does
         pacer.record(True, 0.115, 1)
-    assert pacer.cost(True) > pacer.cost(False) and pacer.interval == pacer.min_interval
+    assert pacer.figures[True].cost > pacer.figures[False].cost and pacer.interval == Pacer.MIN_INTERVAL
 
 
 def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_draft_landed():
@@ -644,12 +610,10 @@ def test_a_paced_round_runs_the_lookup_once_where_it_found_nothing(pair, monkeyp
     model.runtime.reset()
 
 
-def test_a_round_needs_surer_drafts_the_longer_the_context(monkeypatch):
+def test_a_round_needs_surer_drafts_the_longer_the_context():
     """After thousands of tokens a verify pass of K + 1 tokens costs several plain steps (its rows'
     attention over the context) and a rejection's trim a few more: the acceptance a round needs
-    rises with the context, past what prose reaches, and where not even a round that keeps every
-    token pays, the pacer does not try one."""
-    monkeypatch.undo()
+    rises with the context, past what prose reaches."""
     long = replace(AVX512, long_verify=((1000, 1.6), (4000, 2.6), (8000, 4.1)))
     assert long.ratio(5, 0) == AVX512.ratio(5) and long.ratio(5, 4000) == pytest.approx(2.6)
     assert long.ratio(2, 4000) == pytest.approx(1.05 + (2.6 - 1.4) / 4)
@@ -662,32 +626,14 @@ def test_a_round_needs_surer_drafts_the_longer_the_context(monkeypatch):
     assert alpha > break_even_acceptance(3.0, 4) and break_even_acceptance(0.5, 4, rejection=0.4) == 0.0
 
 
-def test_the_pacer_asks_for_the_break_even_at_the_requests_context(pair, tok):
-    """A paced request whose break-even is out of reach past its prompt never drafts with the
-    model, and answers as autoregressive decoding does."""
-    target, drafter = pair
-    prompt = tok.encode(PROMPTS[3])
-    asked: list[int] = []
-
-    def break_even(context: int) -> float:
-        asked.append(context)
-        return 0.0 if context == 0 else math.inf
-
-    expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=20)
-    _reset(drafter)
-    passes = drafter.runtime.passes
-    tokens, stats = run(target, drafter, prompt, k=4, max_new_tokens=20, paced=True, break_even=break_even)
-    assert tokens == expected and stats.drafted == 0 and drafter.runtime.passes == passes
-    assert asked[0] == 0 and len(prompt) in asked and max(asked) < len(prompt) + 20
-
-
 def test_a_paced_request_keeps_one_pacer_for_code_and_one_for_the_text_around_it(pair, tok):
     """Each fence token moves the answer into a code block or out of it, and the pacer with it:
     what speculation did in the prose before a block does not hold it back inside, and back in
     prose the pacer finds what it learned there. The answer stays the autoregressive one."""
     target, drafter = pair
     prompt = tok.encode(PROMPTS[0])
-    decoder = Decoder(target, drafter, prompt, DecodeConfig(k=4, paced=True, fence_ids=frozenset({7, 9})), Stats("t"))
+    config = DecodeConfig(k=4, pacing=Pacing(), fence_ids=frozenset({7, 9}))
+    decoder = Decoder(target, drafter, prompt, config, Stats("t"))
     prose = decoder.pacer
     decoder._accept(Round([5, 7, 6], [Provenance.AUTOREGRESSIVE] * 3))
     code = decoder.pacer
@@ -699,5 +645,5 @@ def test_a_paced_request_keeps_one_pacer_for_code_and_one_for_the_text_around_it
     assert Decoder(target, None, prompt, DecodeConfig(speculative=False), Stats("t")).pacer is None
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=30)
     fences = frozenset(expected[3::4])  # tokens of the answer itself: the regime flips along it
-    tokens, _ = run(target, drafter, prompt, k=4, max_new_tokens=30, paced=True, fence_ids=fences)
+    tokens, _ = run(target, drafter, prompt, k=4, max_new_tokens=30, pacing=Pacing(), fence_ids=fences)
     assert tokens == expected

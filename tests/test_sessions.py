@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine, Request
 from engine.core.sessions import CONTINUES
@@ -15,7 +16,7 @@ ANSWER = 16
 
 @pytest.fixture(scope="module")
 def two_sessions(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=2)
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=2, pacing=Pacing())
 
 
 def turn(engine: Engine, prompt: list[int], reuse: bool = True) -> tuple[list[int], dict]:
@@ -63,7 +64,7 @@ def test_a_conversation_opened_again_continues_in_its_own_session_not_the_longer
     """Two users with the same opening (an example prompt, a benchmark's conversation): the
     second one's follow-up shares more with the first one's long conversation than with its own
     session, but only its own session holds what it goes on from."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3)
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3, pacing=Pacing())
     first = conversation(engine, "Hash maps?")
     answer, _ = turn(engine, first)
     second = first + answer + conversation(engine, "Resize it.")

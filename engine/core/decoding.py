@@ -10,31 +10,21 @@ greedy speculative decoding runs the very passes autoregressive decoding runs.
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
-from typing import ClassVar
 
 import numpy as np
 
 from engine.core.drafters import Draft, Drafter
 from engine.core.metrics import Stats
+from engine.core.pacing import Pacer, Pacing
 from engine.core.runtime import Runtime, common_prefix
-from engine.core.sampling import SamplingParams, logits_to_probs, next_token, top_probability
+from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
 
-# What a speculative round must promise over plain steps before a request tries one: its passes
-# leave out the draft's catch-up over the conversation, the first pass of each new shape and the
-# trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
-# round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
-TRY_MARGIN = 1.1
-# Contexts at which the engine times what a rejection costs the target (PassCosts.rejection).
-REJECTION_CONTEXTS = (1000, 4000, 8000)
 # Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most. Every
 # mode prefills this way; with a past, a pass's width does not change its rows' rounding.
 PREFILL_CHUNK = 256
@@ -56,274 +46,10 @@ class DecodeConfig:
     stop_ids: frozenset[int] = frozenset()
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
     progress: Callable[[], None] = lambda: None  # called after every prefill chunk
-    paced: bool = False  # speculate only while it pays (Pacer)
-    # The acceptance a speculative round needs to pay on this machine after a context of so many
-    # tokens (PassCosts.break_even).
-    break_even: Callable[[int], float] = lambda context: 0.0  # no machine figures: any round may pay
+    pacing: Pacing | None = None  # paced: the draft model runs only while its rounds pay (None: always)
     # Tokens that open or close a code block (they hold a ```): a paced request keeps one pacer for
     # code and one for the text around it.
     fence_ids: frozenset[int] = frozenset()
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """The tokens a round of ``k`` drafted tokens keeps on average where each is accepted with
-    probability ``alpha``, the target's own token included: (1 − α^(k+1)) / (1 − α) (Leviathan
-    et al. 2023)."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def break_even_acceptance(ratio: float, k: int, rejection: float = 0.0) -> float:
-    """The per-token acceptance rate at which a round of ``k`` drafted tokens that costs ``ratio``
-    plain target steps, and ``rejection`` more where not all of them are accepted, yields as many
-    tokens per second as plain steps: its expected tokens equal its expected cost. 0 where any
-    round pays; infinite where not even a round that keeps every drafted token does."""
-
-    def cost(alpha: float) -> float:
-        return ratio + (1 - alpha**k) * rejection
-
-    if cost(0.0) <= 1:
-        return 0.0
-    if ratio >= k + 1:
-        return math.inf
-    low, high = 0.0, 1.0
-    for _ in range(40):
-        alpha = (low + high) / 2
-        if expected_tokens(alpha, k) < cost(alpha):
-            low = alpha
-        else:
-            high = alpha
-    return high
-
-
-@dataclass(frozen=True)
-class PassCosts:
-    """Seconds of a plain target step, of target passes over a few widths (``verify``: width,
-    seconds) and of a draft step, timed on this machine at start. What a speculative round costs
-    against a plain step differs from CPU to CPU far more than the draft's agreement does: a
-    5-token verify pass cost 1.4 plain steps on an AVX-512 machine, 2.5 on an AVX2 one
-    (docs/benchmarks.md, "An AVX2 machine"), where drafts must land nine times in ten to pay."""
-
-    step: float
-    verify: tuple[tuple[int, float], ...]
-    draft: float
-    k: int
-    # (context, plain steps at that context) a rejection adds after that many tokens: the exact
-    # trim of the target's cache (a copy of every state) and the plugin regrowing its buffers.
-    rejection: tuple[tuple[int, float], ...] = ()
-    # (context, plain steps at that context) a pass over K + 1 tokens costs after that many tokens:
-    # attention for several rows grows with the context faster than a single row's (on an AVX-512
-    # CPU 1.3 steps after 16 tokens, 2.4 after 2,000; docs/benchmarks.md, "What a pass costs as the
-    # context grows").
-    long_verify: tuple[tuple[int, float], ...] = ()
-
-    @classmethod
-    def measure(
-        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 3
-    ) -> PassCosts:
-        """Time each pass ``repeats`` times after a short context (the medians): the target's at
-        width 1, 2, ``k`` + 1 and ``widths``; and, at each of :data:`REJECTION_CONTEXTS`, a
-        rejection's rollback and a pass over ``k`` + 1 tokens. Both caches are left empty."""
-
-        def timed(runtime: Runtime, width: int) -> float:
-            start = time.perf_counter()
-            runtime.forward([0] * width, rows=width)
-            return time.perf_counter() - start
-
-        def median_pass(runtime: Runtime, width: int) -> float:
-            runtime.reset()
-            runtime.forward([0] * 16)
-            seconds = []
-            for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
-                seconds.append(timed(runtime, width))
-                runtime.trim(16)
-            runtime.reset()
-            return statistics.median(seconds[1:])
-
-        def at_context(runtime: Runtime, context: int) -> tuple[float, float]:
-            """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
-            next step, the trim included, and what a pass over K + 1 tokens costs there, both in
-            plain steps at that context (timed once: at 8,000 tokens a try costs a second on AVX2)."""
-            runtime.fill(context)
-            runtime.forward([0])  # the plugin regrows its buffers after the states were set
-            plain = timed(runtime, 1)
-            start = time.perf_counter()
-            runtime.trim(context + 1)
-            runtime.forward([0])
-            extra = time.perf_counter() - start - plain
-            runtime.forward([0] * (k + 1), rows=k + 1)  # the first pass of this shape sets it up
-            verify = timed(runtime, k + 1)
-            runtime.release()  # (a reset would keep the plugin's buffers for this many tokens)
-            return max(extra, 0.0) / plain, verify / plain
-
-        verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))
-        contexts = sorted({min(c, target.max_context // 2) for c in REJECTION_CONTEXTS})
-        long = [(c, at_context(target, c)) for c in contexts]
-        return cls(
-            median_pass(target, 1),
-            verify,
-            median_pass(draft, draft.pass_width),
-            k,
-            rejection=tuple((c, rejection) for c, (rejection, _) in long),
-            long_verify=tuple((c, ratio) for c, (_, ratio) in long),
-        )
-
-    def ratio(self, width: int, context: int = 0) -> float:
-        """What a target pass over ``width`` tokens costs in plain steps after ``context`` tokens:
-        interpolated between the widths measured after a short context (on both kinds of CPU
-        measured, nearly linear past 2), plus what the context adds to a pass of K + 1 tokens,
-        shared evenly among its rows past the first."""
-        return self._short_ratio(width) + (width - 1) / self.k * _over_contexts(context, self._context_added)
-
-    @cached_property
-    def _context_added(self) -> tuple[tuple[int, float], ...]:
-        """(context, what it adds to a pass over K + 1 tokens, in plain steps): worked out once, as
-        :meth:`ratio` is asked for every width a lookup copy might take, every round."""
-        verify = self._short_ratio(self.k + 1)
-        return tuple((c, max(ratio - verify, 0.0)) for c, ratio in self.long_verify)
-
-    def _short_ratio(self, width: int) -> float:
-        widths, seconds = zip(*((1, self.step), *self.verify), strict=True)
-        return float(np.interp(width, widths, seconds)) / self.step
-
-    def break_even(self, context: int = 0) -> float:
-        """The draft's acceptance rate at which a round of K drafted tokens after ``context``
-        tokens promises :data:`TRY_MARGIN` over plain steps: its draft steps and verify pass, and
-        the target's rollback where a drafted token is rejected."""
-        round_ = self.k * self.draft / self.step + self.ratio(self.k + 1, context)
-        return break_even_acceptance(TRY_MARGIN * round_, self.k, TRY_MARGIN * self.rejection_cost(context))
-
-    def rejection_cost(self, context: int) -> float:
-        """What a rejected token adds after ``context`` tokens, in plain steps."""
-        return _over_contexts(context, self.rejection)
-
-    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
-        """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify after
-        ``context`` tokens, each accepted with probability ``acceptance``: the count whose round
-        promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`;
-        else 0. A round costs its verify pass and, where a token is rejected, the rollback of the
-        target's cache (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
-        Where the verify pass grows fast with its width (AVX2: 17 tokens cost 5.4 steps) a long
-        copy pays only where copies land, and where it does not (AVX-512: 2 steps) the whole copy
-        is taken."""
-        trim = self.rejection_cost(context)
-        best, promised = 0, TRY_MARGIN
-        for n in range(1, offered + 1):
-            cost = self.ratio(n + 1, context) + (1 - acceptance**n) * trim
-            if (gain := expected_tokens(acceptance, n) / cost) >= promised:
-                best, promised = n, gain
-        return best
-
-
-def _over_contexts(context: int, measured: tuple[tuple[int, float], ...]) -> float:
-    """A figure measured at a few contexts (none: 0), at ``context``: interpolated between them
-    from 0 at an empty cache, proportional to the context past the last."""
-    if not measured:
-        return 0.0
-    contexts, values = zip(*measured, strict=True)
-    if context > contexts[-1]:
-        return values[-1] * context / contexts[-1]
-    return float(np.interp(context, (0, *contexts), (0.0, *values)))
-
-
-@dataclass
-class Pacer:
-    """Whether a request's next round speculates: only while speculation pays, as measured.
-
-    Keeps the seconds per new token of the request's speculative rounds and of its plain target
-    steps (exponential averages of seconds and of tokens per round; a round's time includes its
-    rollback), and runs the cheaper kind. The other kind runs once after ``interval`` rounds, so
-    both figures follow the answer (acceptance changes along it, costs grow with the context); a
-    probe weighs half against its kind's stale figure. A probe that confirms the order doubles the
-    interval (up to ``max_interval``: a probe of the slower kind costs time), one that reverses it
-    resets it.
-
-    Trying speculation costs a round that may not pay and, the first time, the draft's catch-up
-    over the whole conversation; so speculation is tried (and probed) only where the target looks
-    predictable. The draft model agrees with the target's greedy token about as often as the
-    target's own top probability says (per prompt, 24 prompts: docs/design.md, "Speculating only
-    while it pays"), so the pacer keeps an average of that probability over the plain steps and
-    tries speculation only while it is at least ``floor``, and at least the acceptance a round
-    needs to pay on this machine (``break_even``, from :class:`PassCosts`); a request starts with
-    ``lead`` plain steps to measure it. That confidence runs ahead of the draft where the target is
-    sure of code: teacher-forced on held-out coding answers the draft agrees with 0.89 of the
-    target's tokens (docs/benchmarks.md, "A layer-pruned draft"), so where a round needs more than
-    ``ceiling`` (an AVX2 CPU, thousands of tokens of history) speculation is not tried at all: every
-    try measured there lost time. Which kind runs changes the passes only: every round's
-    tokens follow the target's rule, so greedy output is the same and sampled output keeps its
-    distribution.
-    """
-
-    lead: ClassVar[int] = 2
-    floor: ClassVar[float] = 0.75
-    ceiling: ClassVar[float] = 0.9  # the most acceptance a round may need (the draft's agreement on code)
-    most: int = 5  # the most tokens a speculative round can keep (K + 1)
-    break_even: float = 0.0  # the acceptance a round needs to pay here (PassCosts.break_even)
-    min_interval: int = 8
-    max_interval: int = 64
-    weight: float = 0.3
-    seconds: dict[bool, float] = field(default_factory=dict)  # average seconds per round; True: speculative
-    tokens: dict[bool, float] = field(default_factory=dict)  # average new tokens per round
-    streak: int = 0  # rounds of the cheaper kind since the last probe
-    interval: int = 8
-    confidence: float = 0.0  # average top probability of the target at plain steps
-    observed: int = 0  # plain steps behind it
-
-    def cost(self, speculative: bool) -> float:
-        """Seconds per new token: averaged over rounds as a ratio of averages, so one round that
-        keeps a single token does not outweigh the rounds that keep five."""
-        return self.seconds[speculative] / self.tokens[speculative]
-
-    def _cheaper(self) -> bool:
-        return self.cost(True) <= self.cost(False)
-
-    def _could_pay(self) -> bool:
-        """Whether a speculative round of the average duration beats plain steps if it keeps
-        ``most`` tokens (at long contexts a verify pass and a trim can cost more than that)."""
-        return self.seconds[True] / self.most < self.cost(False)
-
-    def _promising(self) -> bool:
-        reachable = self.break_even <= self.ceiling
-        return reachable and self.observed >= self.lead and self.confidence >= max(self.floor, self.break_even)
-
-    def observe(self, top_probability: float) -> None:
-        """The target's top probability at a plain step."""
-        first = not self.observed
-        self.confidence += (1.0 if first else self.weight) * (top_probability - self.confidence)
-        self.observed += 1
-
-    def speculate(self) -> bool:
-        if True not in self.seconds:  # not tried yet
-            return self._promising()
-        if False not in self.seconds:
-            return False
-        if self.streak < self.interval:
-            return self._cheaper()
-        # Time for a probe of the other kind; one of speculation waits until it looks promising,
-        # and is skipped while even a round that kept every drafted token would not pay.
-        return not self._cheaper() and self._promising() and self._could_pay()
-
-    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
-        both = len(self.seconds) == 2
-        if both and speculative == self._cheaper():  # the cheaper kind again
-            self._average(speculative, seconds, tokens, self.weight)
-            if self._cheaper() != speculative:  # its own average says the other kind is cheaper now
-                self.streak, self.interval = 0, self.min_interval
-            else:
-                self.streak += 1
-            return
-        order = self._cheaper() if both else None
-        # A first measurement, or a probe: it weighs half against a figure that has gone stale.
-        self._average(speculative, seconds, tokens, 0.5)
-        if order is not None:
-            self.streak = 0
-            confirmed = self._cheaper() == order
-            self.interval = min(2 * self.interval, self.max_interval) if confirmed else self.min_interval
-
-    def _average(self, speculative: bool, seconds: float, tokens: int, weight: float) -> None:
-        """Move the kind's averages toward this round by ``weight`` (a first round sets them)."""
-        for figures, value in ((self.seconds, seconds), (self.tokens, max(tokens, 1))):
-            old = figures.get(speculative, value)
-            figures[speculative] = old + weight * (value - old)
 
 
 @dataclass
@@ -352,14 +78,17 @@ class Decoder:
         self.target, self.drafter, self.config, self.stats = target, drafter, config, stats
         self.speculative = config.speculative and drafter is not None and config.k > 0
         # Where no round of the draft model can pay on this machine (its break-even above what the
-        # draft reaches), a paced request never runs it, nor watches for a chance to: only its free
-        # drafts remain.
-        self.modelled = self.speculative and not (config.paced and config.break_even(0) > Pacer.ceiling)
+        # draft reaches), a paced request never runs it: only its free drafts remain.
+        pacing = config.pacing
+        self.modelled = self.speculative and (pacing is None or pacing.draft_model_may_pay)
         # The draft agrees with the target far more often in code than in the prose around it
         # (docs/design.md, "Speculating only while it pays"): what a pacer learned on one says little
-        # about the other, so each keeps its own, and an answer moving into a code block starts
-        # trying speculation there at once, without waiting out an interval learned on prose.
-        self._pacers = (Pacer(most=config.k + 1), Pacer(most=config.k + 1)) if config.paced and self.modelled else None
+        # about the other, so each keeps its own.
+        self._pacers = (
+            (pacing.pacer(False, config.k + 1), pacing.pacer(True, config.k + 1))
+            if pacing is not None and self.modelled
+            else None
+        )
         self.in_code = False  # inside a code block of the answer (an odd number of fences so far)
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
@@ -399,8 +128,6 @@ class Decoder:
     def _speculates(self, limit: int) -> bool:
         """Whether the next round drafts with the drafter's model (``limit``: drafted tokens that
         fit)."""
-        if self.pacer is not None:  # a round costs more the longer the context
-            self.pacer.break_even = self.config.break_even(len(self.context))
         paced = self.pacer is None or self.pacer.speculate()
         return self.modelled and self.stats.rounds > 0 and limit > 0 and paced
 
@@ -408,7 +135,7 @@ class Decoder:
         """A paced request's draft that costs no model pass (prompt lookup, priced by the drafter
         against this machine's pass costs), tried at every round whatever the pacer says: only
         the pacer's choice between the draft model and plain steps has a price to learn."""
-        if not (self.config.paced and self.speculative and self.stats.rounds > 0 and limit > 0):
+        if not (self.config.pacing is not None and self.speculative and self.stats.rounds > 0 and limit > 0):
             return None
         assert self.drafter is not None
         draft = self.drafter.free(self.context, min(self.config.k, limit), self.config.sampling).head(limit)
@@ -440,8 +167,6 @@ class Decoder:
             )
         else:
             logits = _target_logits(self.target, self.context, 1, self.stats)
-            if pacer is not None:  # (not in a batch's rows: a softmax each would cost ~2% of a batched step)
-                pacer.observe(top_probability(logits[-1]))
             round_ = self._plain(logits[-1])
         round_ = self._accept(round_)
         # Roll both caches back to the accepted prefix (rejected drafts leave no trace).

@@ -29,11 +29,12 @@ from engine.core import chat
 from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget, gigabytes
 from engine.core.chat import check_messages
-from engine.core.decoding import DecodeConfig, Decoder, PassCosts, Provenance, Round
+from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.drafters import Drafter
 from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.metrics import Baseline, Stats
 from engine.core.modes import BEST_K, COPY_WIDTHS, MODES, DrafterParts
+from engine.core.pacing import Pacing, PassCosts
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import MAX_SESSIONS, Session, SessionPool
@@ -240,6 +241,7 @@ class Engine:
         step_timeout: float = STEP_TIMEOUT,
         max_sessions: int | None = None,
         memory_limit: int | None = None,
+        pacing: Pacing | None = None,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -249,8 +251,9 @@ class Engine:
         ``max_sessions``: conversations whose KV caches are kept (default:
         :data:`~engine.core.sessions.MAX_SESSIONS`, their bytes bounded by the budget).
         ``memory_limit``: bytes the process may hold (default: a share of the machine's memory,
-        :mod:`engine.core.budget`); the input cap follows from it too. The two models must share
-        one vocabulary (``engine.prepare`` checks it)."""
+        :mod:`engine.core.budget`); the input cap follows from it too. ``pacing``: the paced mode's
+        policy (default: priced by the passes timed here at start). The two models must share one
+        vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
@@ -275,25 +278,10 @@ class Engine:
                 runtime.warm_up()
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
-        self.pass_costs = (
-            PassCosts.measure(self.target, self.draft, BEST_K, COPY_WIDTHS) if self.draft is not None else None
-        )
-        if self.pass_costs is not None:
-            costs = self.pass_costs
-            log.info(
-                "pass costs: target step %.1f ms; passes of %s tokens %s steps; draft step %.1f ms; "
-                "after %s tokens a rejection adds %s steps and a %d-token pass costs %s: the draft model pays "
-                "above %s acceptance (a short context first)",
-                1e3 * costs.step,
-                "/".join(str(width) for width, _ in costs.verify),
-                "/".join(f"{costs.ratio(width):.2f}" for width, _ in costs.verify),
-                1e3 * costs.draft,
-                "/".join(str(context) for context, _ in costs.rejection),
-                "/".join(f"{steps:.2f}" for _, steps in costs.rejection),
-                BEST_K + 1,
-                "/".join(f"{ratio:.2f}" for _, ratio in costs.long_verify),
-                "/".join(f"{costs.break_even(c):.2f}" for c in (0, *(c for c, _ in costs.rejection))),
-            )
+        if pacing is None and self.draft is not None:
+            pacing = Pacing(PassCosts.measure(self.target, self.draft, BEST_K, COPY_WIDTHS))
+            log.info("pass costs: %s", pacing.costs.describe())  # type: ignore[union-attr]
+        self.pacing = pacing or Pacing()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
         self.max_context = self.target.max_context
@@ -322,8 +310,7 @@ class Engine:
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
         """Every mode's drafter over one session's draft cache."""
-        price = self.pass_costs.worth_copying if self.pass_costs is not None else None
-        parts = DrafterParts(self.target.vocab_size, draft, price)
+        parts = DrafterParts(self.target.vocab_size, draft, self.pacing.worth_copying)
         return {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
 
     # -- the worker -------------------------------------------------------------------------
@@ -672,9 +659,8 @@ class Engine:
             self.stop_ids,
             cancelled=cancel.is_set,
             progress=self._mark_progress,
-            paced=mode.paced,
+            pacing=self.pacing if mode.paced else None,
             fence_ids=self.fence_ids,
-            **({"break_even": self.pass_costs.break_even} if mode.paced and self.pass_costs is not None else {}),
         )
 
     def _mark_progress(self) -> None:

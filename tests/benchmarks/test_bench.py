@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.bench import top2_margin
+from benchmarks.bench import best_trails, top2_margin
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from tests.test_decoding import PROMPTS
 
@@ -19,3 +19,11 @@ def test_top2_margin_is_measured_as_autoregressive_decoding_computes_it(engine, 
     top = np.sort(logits)[-2:]
     margin = engine.with_models(lambda target, _: top2_margin(target, prompt, prefix))
     assert margin == pytest.approx(float(top[1] - top[0]), abs=0)
+
+
+def test_the_check_fails_where_best_trails_the_fastest_fixed_mode_by_more_than_three_percent():
+    rows = [{"mode": "ar", "tokens_per_s": 16.0}, {"mode": "hybrid", "tokens_per_s": 25.0}]
+    assert best_trails([*rows, {"mode": "best", "tokens_per_s": 24.5}]) is None
+    assert "trails hybrid" in str(best_trails([*rows, {"mode": "best", "tokens_per_s": 24.0}]))
+    peer = {"mode": "llamacpp", "tokens_per_s": 40.0}  # only our own modes count
+    assert best_trails([*rows, peer, {"mode": "best", "tokens_per_s": 25.0}]) is None

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks import chaos, loadtest
+from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
 from tests.ui.served import serve
@@ -15,7 +16,7 @@ from tests.ui.served import serve
 
 @pytest.fixture(scope="module")
 def url(ir_target, ir_draft):
-    demo, url = serve(Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4))
+    demo, url = serve(Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing()))
     yield url
     demo.close()
 

@@ -1,0 +1,324 @@
+"""When the paced mode (``best``) runs the draft model: what passes cost on this machine, and what
+each kind of round has gained, measured while it runs.
+
+:class:`PassCosts` times the target's passes and the draft's step at start. From them comes the
+one decision made before anything runs: where even a round whose drafts all land could not beat
+plain steps by :data:`TRY_MARGIN` against the draft's best agreement (:data:`CEILING`; an AVX2 CPU,
+where a verify pass costs 2.5 plain steps), the draft model is never run; and the price of a prompt
+lookup copy (:meth:`PassCosts.worth_copying`). Everything else is measured while requests run:
+each :class:`Pacer` compares the seconds per new token of the rounds it ran with the draft model
+and of its plain steps, runs the cheaper kind and probes the other now and then. Start-up timings
+are one reading on a machine that may be busy; the rounds themselves are the truth.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import numpy as np
+
+from engine.core.runtime import Runtime
+
+# What a speculative round must promise over plain steps before a request tries one: its passes
+# leave out the draft's catch-up over the conversation, the first pass of each new shape and the
+# trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
+# round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
+TRY_MARGIN = 1.1
+# Contexts at which the engine times what a rejection costs the target (PassCosts.rejection).
+REJECTION_CONTEXTS = (1000, 4000, 8000)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """The tokens a round of ``k`` drafted tokens keeps on average where each is accepted with
+    probability ``alpha``, the target's own token included: (1 − α^(k+1)) / (1 − α) (Leviathan
+    et al. 2023)."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def break_even_acceptance(ratio: float, k: int, rejection: float = 0.0) -> float:
+    """The per-token acceptance rate at which a round of ``k`` drafted tokens that costs ``ratio``
+    plain target steps, and ``rejection`` more where not all of them are accepted, yields as many
+    tokens per second as plain steps: its expected tokens equal its expected cost. 0 where any
+    round pays; infinite where not even a round that keeps every drafted token does."""
+
+    def cost(alpha: float) -> float:
+        return ratio + (1 - alpha**k) * rejection
+
+    if cost(0.0) <= 1:
+        return 0.0
+    if ratio >= k + 1:
+        return math.inf
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        alpha = (low + high) / 2
+        if expected_tokens(alpha, k) < cost(alpha):
+            low = alpha
+        else:
+            high = alpha
+    return high
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of a plain target step, of target passes over a few widths (``verify``: width,
+    seconds) and of a draft step, timed on this machine at start. What a speculative round costs
+    against a plain step differs from CPU to CPU far more than the draft's agreement does: a
+    5-token verify pass cost 1.4 plain steps on an AVX-512 machine, 2.5 on an AVX2 one
+    (docs/benchmarks.md, "An AVX2 machine"), where drafts must land nine times in ten to pay."""
+
+    step: float
+    verify: tuple[tuple[int, float], ...]
+    draft: float
+    k: int
+    # (context, plain steps at that context) a rejection adds after that many tokens: the exact
+    # trim of the target's cache (a copy of every state) and the plugin regrowing its buffers.
+    rejection: tuple[tuple[int, float], ...] = ()
+    # (context, plain steps at that context) a pass over K + 1 tokens costs after that many tokens:
+    # attention for several rows grows with the context faster than a single row's (on an AVX-512
+    # CPU 1.3 steps after 16 tokens, 2.4 after 2,000; docs/benchmarks.md, "What a pass costs as the
+    # context grows").
+    long_verify: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def measure(
+        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 3
+    ) -> PassCosts:
+        """Time each pass ``repeats`` times after a short context (the medians): the target's at
+        width 1, 2, ``k`` + 1 and ``widths``; and, at each of :data:`REJECTION_CONTEXTS`, a
+        rejection's rollback and a pass over ``k`` + 1 tokens. Both caches are left empty."""
+
+        def timed(runtime: Runtime, width: int) -> float:
+            start = time.perf_counter()
+            runtime.forward([0] * width, rows=width)
+            return time.perf_counter() - start
+
+        def median_pass(runtime: Runtime, width: int) -> float:
+            runtime.reset()
+            runtime.forward([0] * 16)
+            seconds = []
+            for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
+                seconds.append(timed(runtime, width))
+                runtime.trim(16)
+            runtime.reset()
+            return statistics.median(seconds[1:])
+
+        def at_context(runtime: Runtime, context: int) -> tuple[float, float]:
+            """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
+            next step, the trim included, and what a pass over K + 1 tokens costs there, both in
+            plain steps at that context (timed once: at 8,000 tokens a try costs a second on AVX2)."""
+            runtime.fill(context)
+            runtime.forward([0])  # the plugin regrows its buffers after the states were set
+            plain = timed(runtime, 1)
+            start = time.perf_counter()
+            runtime.trim(context + 1)
+            runtime.forward([0])
+            extra = time.perf_counter() - start - plain
+            runtime.forward([0] * (k + 1), rows=k + 1)  # the first pass of this shape sets it up
+            verify = timed(runtime, k + 1)
+            runtime.release()  # (a reset would keep the plugin's buffers for this many tokens)
+            return max(extra, 0.0) / plain, verify / plain
+
+        verify = tuple((width, median_pass(target, width)) for width in sorted({2, k + 1, *widths}))
+        contexts = sorted({min(c, target.max_context // 2) for c in REJECTION_CONTEXTS})
+        long = [(c, at_context(target, c)) for c in contexts]
+        return cls(
+            median_pass(target, 1),
+            verify,
+            median_pass(draft, draft.pass_width),
+            k,
+            rejection=tuple((c, rejection) for c, (rejection, _) in long),
+            long_verify=tuple((c, ratio) for c, (_, ratio) in long),
+        )
+
+    def describe(self) -> str:
+        """The figures, for the log."""
+        contexts = "/".join(str(context) for context, _ in self.rejection)
+        return (
+            f"target step {1e3 * self.step:.1f} ms; passes of {'/'.join(str(w) for w, _ in self.verify)} tokens "
+            f"{'/'.join(f'{self.ratio(w):.2f}' for w, _ in self.verify)} steps; draft step {1e3 * self.draft:.1f} ms; "
+            f"after {contexts} tokens a rejection adds {'/'.join(f'{r:.2f}' for _, r in self.rejection)} steps "
+            f"and a {self.k + 1}-token pass costs {'/'.join(f'{r:.2f}' for _, r in self.long_verify)}: the draft "
+            f"model pays above {self.break_even():.2f} acceptance after a short context"
+            + ("" if self.break_even() <= CEILING else f", more than it reaches ({CEILING}): it is not run")
+        )
+
+    def ratio(self, width: int, context: int = 0) -> float:
+        """What a target pass over ``width`` tokens costs in plain steps after ``context`` tokens:
+        interpolated between the widths measured after a short context (on both kinds of CPU
+        measured, nearly linear past 2), plus what the context adds to a pass of K + 1 tokens,
+        shared evenly among its rows past the first."""
+        return self._short_ratio(width) + (width - 1) / self.k * _over_contexts(context, self._context_added)
+
+    @cached_property
+    def _context_added(self) -> tuple[tuple[int, float], ...]:
+        """(context, what it adds to a pass over K + 1 tokens, in plain steps): worked out once, as
+        :meth:`ratio` is asked for every width a lookup copy might take, every round."""
+        verify = self._short_ratio(self.k + 1)
+        return tuple((c, max(ratio - verify, 0.0)) for c, ratio in self.long_verify)
+
+    def _short_ratio(self, width: int) -> float:
+        widths, seconds = zip(*((1, self.step), *self.verify), strict=True)
+        return float(np.interp(width, widths, seconds)) / self.step
+
+    def break_even(self, context: int = 0) -> float:
+        """The draft's acceptance rate at which a round of K drafted tokens after ``context``
+        tokens promises :data:`TRY_MARGIN` over plain steps: its draft steps and verify pass, and
+        the target's rollback where a drafted token is rejected."""
+        round_ = self.k * self.draft / self.step + self.ratio(self.k + 1, context)
+        return break_even_acceptance(TRY_MARGIN * round_, self.k, TRY_MARGIN * self.rejection_cost(context))
+
+    def rejection_cost(self, context: int) -> float:
+        """What a rejected token adds after ``context`` tokens, in plain steps."""
+        return _over_contexts(context, self.rejection)
+
+    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
+        """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify after
+        ``context`` tokens, each accepted with probability ``acceptance``: the count whose round
+        promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`;
+        else 0. A round costs its verify pass and, where a token is rejected, the rollback of the
+        target's cache (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
+        Where the verify pass grows fast with its width (AVX2: 17 tokens cost 5.4 steps) a long
+        copy pays only where copies land, and where it does not (AVX-512: 2 steps) the whole copy
+        is taken."""
+        trim = self.rejection_cost(context)
+        best, promised = 0, TRY_MARGIN
+        for n in range(1, offered + 1):
+            cost = self.ratio(n + 1, context) + (1 - acceptance**n) * trim
+            if (gain := expected_tokens(acceptance, n) / cost) >= promised:
+                best, promised = n, gain
+        return best
+
+
+def _over_contexts(context: int, measured: tuple[tuple[int, float], ...]) -> float:
+    """A figure measured at a few contexts (none: 0), at ``context``: interpolated between them
+    from 0 at an empty cache, proportional to the context past the last."""
+    if not measured:
+        return 0.0
+    contexts, values = zip(*measured, strict=True)
+    if context > contexts[-1]:
+        return values[-1] * context / contexts[-1]
+    return float(np.interp(context, (0, *contexts), (0.0, *values)))
+
+
+# The most acceptance a round may need before the draft model is never run: the draft's agreement
+# with the target on code, teacher-forced on held-out answers (docs/benchmarks.md, "A layer-pruned
+# draft"). Above it every try measured lost time (an AVX2 CPU; docs/benchmarks.md, "An AVX2 machine").
+CEILING = 0.9
+
+
+@dataclass
+class Figures:
+    """Exponential averages of one kind of round: its seconds and its new tokens."""
+
+    seconds: float
+    tokens: float
+
+    @property
+    def cost(self) -> float:
+        """Seconds per new token: a ratio of averages, so one round that keeps a single token does
+        not outweigh the rounds that keep five."""
+        return self.seconds / self.tokens
+
+    def move(self, seconds: float, tokens: int, weight: float) -> None:
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (max(tokens, 1) - self.tokens)
+
+
+@dataclass
+class Pacer:
+    """Whether a request's next round runs the draft model: where its rounds have kept more tokens
+    per second than plain steps, as measured while the request runs.
+
+    A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
+    measured (shared by every request's pacer, and moved by each round), so it runs the kind that
+    has been cheaper from its first round; with no memory it tries the draft model, then one plain
+    step to compare. It runs the cheaper kind and the other once after ``interval`` rounds, as
+    acceptance changes along an answer and costs grow with the context. A probe weighs half against
+    its kind's stale figure; one that confirms the order doubles the interval (up to
+    :attr:`MAX_INTERVAL`), one that reverses it starts it over. A probe of the draft model is
+    skipped while even a round that kept every drafted token would not beat a plain step.
+    Which kind runs changes the passes only: every token follows the target's rule, so greedy
+    output is the same and sampled output keeps its distribution."""
+
+    WEIGHT = 0.3
+    PROBE_WEIGHT = 0.5
+    MIN_INTERVAL = 8
+    MAX_INTERVAL = 32
+
+    most: int = 5  # the most tokens a speculative round can keep (K + 1)
+    memory: dict[bool, Figures] = field(default_factory=dict)  # True: rounds with the draft model
+    figures: dict[bool, Figures] = field(default_factory=dict)
+    streak: int = 0  # rounds of the cheaper kind since the last probe
+    interval: int = MIN_INTERVAL
+
+    def __post_init__(self) -> None:
+        self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
+
+    def _cheaper(self) -> bool:
+        return self.figures[True].cost <= self.figures[False].cost
+
+    def _could_pay(self) -> bool:
+        """Whether a round of the draft model's average duration that kept ``most`` tokens would
+        beat plain steps (after thousands of tokens a verify pass and a trim can cost more)."""
+        return self.figures[True].seconds / self.most < self.figures[False].cost
+
+    def speculate(self) -> bool:
+        if True not in self.figures:  # not measured yet: try it
+            return True
+        if False not in self.figures:  # then a plain step, to compare
+            return False
+        if self.streak < self.interval:
+            return self._cheaper()
+        return not self._cheaper() and self._could_pay()  # a probe of the other kind
+
+    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
+        both = len(self.figures) == 2
+        order = self._cheaper() if both else None
+        probe = both and speculative != order
+        self._move(self.figures, speculative, seconds, tokens, self.PROBE_WEIGHT if probe else self.WEIGHT)
+        self._move(self.memory, speculative, seconds, tokens, self.WEIGHT)
+        if not both:
+            return
+        if probe:
+            self.streak = 0
+            confirmed = self._cheaper() == order
+            self.interval = min(2 * self.interval, self.MAX_INTERVAL) if confirmed else self.MIN_INTERVAL
+        elif self._cheaper() != order:  # its own average says the other kind is cheaper now
+            self.streak, self.interval = 0, self.MIN_INTERVAL
+        else:
+            self.streak += 1
+
+    @staticmethod
+    def _move(figures: dict[bool, Figures], kind: bool, seconds: float, tokens: int, weight: float) -> None:
+        if kind in figures:
+            figures[kind].move(seconds, tokens, weight)
+        else:
+            figures[kind] = Figures(seconds, max(tokens, 1))
+
+
+class Pacing:
+    """The paced mode's policy on one server: the machine's pass costs (None: a round of the draft
+    model may pay and every lookup copy is worth verifying) and what rounds have measured on each
+    kind of text (code and the prose around it), which every new request's pacers start from."""
+
+    def __init__(self, costs: PassCosts | None = None):
+        self.costs = costs
+        self._memory: dict[bool, dict[bool, Figures]] = {False: {}, True: {}}
+
+    @property
+    def draft_model_may_pay(self) -> bool:
+        """Whether a round of the draft model can pay here at all (after a short context)."""
+        return self.costs is None or self.costs.break_even() <= CEILING
+
+    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
+        """How many of ``offered`` prompt-lookup tokens to verify (:meth:`PassCosts.worth_copying`)."""
+        return offered if self.costs is None else self.costs.worth_copying(offered, acceptance, context)
+
+    def pacer(self, in_code: bool, most: int) -> Pacer:
+        """A request's pacer for code (``in_code``) or prose, starting from what the server measured."""
+        return Pacer(most=most, memory=self._memory[in_code])
