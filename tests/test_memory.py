@@ -124,3 +124,19 @@ def test_rows_that_would_not_fit_padded_to_the_longest_are_not_batched(small_bud
     streams = [engine.generate(request) for request in requests]
     answers = [next(e for e in stream if e.final).token_ids for stream in streams]
     assert answers == alone and not joined
+
+
+def test_a_long_prompt_reports_how_far_it_is_read_and_stops_between_chunks(long_engine):
+    prompt = _prompt(2000, 300, seed=7)
+    events = list(long_engine.generate(Request(prompt_ids=prompt, mode="autoregressive", max_new_tokens=2)))
+    read = [e.metrics["prompt_read"] for e in events if e.kind == "progress"]
+    assert len(read) >= 2000 // PREFILL_CHUNK - 1 and read == sorted(read) and read[-1] < len(prompt)
+    assert all(e.metrics["prefill_tokens_per_s"] > 0 for e in events if e.kind == "progress")
+    assert events[-1].kind == "done" and events[-1].metrics["prompt_read"] == len(prompt)
+    stream = long_engine.generate(Request(prompt_ids=_prompt(3000, 300, seed=8), mode="autoregressive"))
+    first = next(stream)
+    assert first.kind == "progress"
+    stream.cancel()
+    final = next(e for e in stream if e.final)
+    assert final.metrics["finish_reason"] == "cancelled" and final.metrics["new_tokens"] == 0
+    assert final.metrics["prompt_read"] < 3000

@@ -96,6 +96,7 @@ class Decoder:
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
+        stats.prompt_read = stats.cached_tokens
 
     @property
     def pacer(self) -> Pacer | None:
@@ -111,9 +112,11 @@ class Decoder:
             start, before = time.perf_counter(), self.target.passes
             read = next(passes, None)
             self.stats.target_seconds += time.perf_counter() - start
+            self.stats.prefill_seconds += time.perf_counter() - start
             self.stats.target_passes += self.target.passes - before
             if read is None:
                 return
+            self.stats.prompt_read = read
             yield read
 
     def room(self) -> int:
@@ -197,6 +200,7 @@ class Decoder:
             self.stats.finish_reason = "stop"
             self.done = True
         self.context += round_.tokens
+        self.stats.prompt_read = self.stats.prompt_tokens
         self.in_code ^= sum(token in self.config.fence_ids for token in round_.tokens) % 2 == 1
         self.stats.rounds += 1
         self.stats.add_tokens(len(round_.tokens))

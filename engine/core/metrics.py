@@ -21,6 +21,8 @@ class Stats:
     mode: str
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the KV cache (not prefilled again)
+    prompt_read: int = 0  # of the prompt, in the target's cache so far (it is read in chunks)
+    prefill_seconds: float = 0.0  # reading the prompt's chunks
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -59,6 +61,10 @@ class Stats:
             "mode": self.mode,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "prompt_read": self.prompt_read,
+            "prefill_tokens_per_s": (self.prompt_read - self.cached_tokens) / self.prefill_seconds
+            if self.prefill_seconds
+            else 0.0,
             "new_tokens": self.new_tokens,
             "wall_s": wall,
             "ttft_s": (self.first_token_at - self.start) if self.first_token_at else None,

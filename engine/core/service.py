@@ -125,7 +125,9 @@ def _in_range(name: str, value: object, low: float, high: float, whole: bool = F
 
 @dataclass
 class Event:
-    """``delta`` while streaming; a last event ``done`` (or ``error``) carries the final metrics."""
+    """``progress`` while a long prompt is read (its metrics say how far: ``prompt_read`` of
+    ``prompt_tokens``), ``delta`` while streaming; a last event ``done`` (or ``error``) carries
+    the final metrics."""
 
     kind: str
     text: str = ""
@@ -543,6 +545,8 @@ class Engine:
         if next(job.prefill, None) is None:
             job.prefill = None
             job.decoder.room()
+        else:  # how far the prompt is read, for a progress bar
+            self._put(job, Event("progress", metrics=job.stats.snapshot()))
         self._mark_progress()
         if job.cancel.is_set():
             self._finish(job, "cancelled")
