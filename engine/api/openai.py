@@ -11,6 +11,8 @@ speculative figures as well.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import secrets
 import time
@@ -97,8 +99,21 @@ def usage(metrics: dict) -> dict[str, Any]:
     }
 
 
-def build_router(engine: EngineClient, model_id: str, models: dict[str, Any], api_key: str | None) -> APIRouter:
-    """The API's routes over ``engine``; ``models`` describes the pair for ``/health``."""
+def client_of(http: Request, trust_proxy: bool = False) -> str:
+    """Who asks: the bearer key they sent (as a short digest), else their address; behind a proxy
+    the operator trusts (``trust_proxy``), the first address of ``X-Forwarded-For``."""
+    given = http.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if given:
+        return "key:" + hashlib.sha256(given.encode()).hexdigest()[:12]
+    forwarded = http.headers.get("x-forwarded-for", "").split(",")[0].strip() if trust_proxy else ""
+    return "ip:" + (forwarded or (http.client.host if http.client else "unknown"))
+
+
+def build_router(
+    engine: EngineClient, model_id: str, models: dict[str, Any], api_key: str | None, trust_proxy: bool = False
+) -> APIRouter:
+    """The API's routes over ``engine``; ``models`` describes the pair for ``/health``;
+    ``trust_proxy``: a caller's address is the first of ``X-Forwarded-For``."""
     router = APIRouter()
 
     def refusal(http: Request) -> JSONResponse | None:
@@ -147,7 +162,12 @@ def build_router(engine: EngineClient, model_id: str, models: dict[str, Any], ap
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return error(400, f"{where}: {first['msg']}", "invalid_request_error", where)
-        stream = engine.generate(asked.engine_request(engine.max_context))
+        request = dataclasses.replace(asked.engine_request(engine.max_context), client=client_of(http, trust_proxy))
+        stream = engine.generate(request)
+        if stream.refusal and stream.retry_after is not None:  # its client holds its share
+            refused = error(429, stream.refusal, "rate_limit_error")
+            refused.headers["Retry-After"] = str(round(stream.retry_after))
+            return refused
         if stream.refusal:  # checked (and tokenized) once, by the engine
             return error(400, stream.refusal, "invalid_request_error")
         completion = f"chatcmpl-{uuid.uuid4().hex}"

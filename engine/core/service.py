@@ -11,6 +11,7 @@ speculation no longer pays (docs/design.md, "Batching"). Further requests wait i
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -39,6 +40,7 @@ from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import MAX_SESSIONS, Session, SessionPool
 from engine.core.textstream import IncrementalDecoder, StopStrings
+from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits, FairQueue
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
 
@@ -87,6 +89,7 @@ class Request:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
+    client: str = ""  # who asks (a browser session, an API key or address): turns and limits are per client
 
     def check(self, modes: Sequence[str], max_context: int) -> None:
         """Refuse what the engine must never see: unknown modes, numbers out of range or not
@@ -157,12 +160,13 @@ class Stream:
         self.step_timeout = step_timeout
         self._healthy = healthy
         self.refusal = ""  # why the request was refused before it ran (a bad field, too long, not ready)
+        self.retry_after: float | None = None  # refused for now only (its client holds its share): seconds
 
     @classmethod
-    def refused(cls, error: str, mode: str) -> Stream:
+    def refused(cls, error: str, mode: str, retry_after: float | None = None) -> Stream:
         """A stream that ends at once with ``error``: the request was refused before it ran."""
         stream = cls(STEP_TIMEOUT, lambda: True)
-        stream.refusal = error
+        stream.refusal, stream.retry_after = error, retry_after
         stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
         return stream
 
@@ -224,10 +228,15 @@ class _Job:
     detok: IncrementalDecoder | None = None
     stops: StopStrings | None = None
     out: list[int] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
     def key(self) -> int:
         return id(self)
+
+    @property
+    def client(self) -> str:
+        return self.request.client
 
 
 class Engine:
@@ -244,6 +253,7 @@ class Engine:
         max_sessions: int | None = None,
         memory_limit: int | None = None,
         pacing: Pacing | None = None,
+        client_limits: ClientLimits = NO_LIMITS,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -254,8 +264,9 @@ class Engine:
         :data:`~engine.core.sessions.MAX_SESSIONS`, their bytes bounded by the budget).
         ``memory_limit``: bytes the process may hold (default: a share of the machine's memory,
         :mod:`engine.core.budget`); the input cap follows from it too. ``pacing``: the paced mode's
-        policy (default: priced by the passes timed here at start). The two models must share one
-        vocabulary (``engine.prepare`` checks it)."""
+        policy (default: priced by the passes timed here at start). ``client_limits``: what one
+        client may hold (default: no limit; :mod:`engine.core.turns`). The two models must share
+        one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
@@ -303,8 +314,9 @@ class Engine:
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
         self._serving: list[_Job] = []  # started, not finished (worker thread only)
-        self._held: _Job | None = None  # the next to start, waiting for memory (worker thread only)
-        self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()
+        self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
+        self._waiting: FairQueue[_Job] = FairQueue(lambda job: job.client)  # in line (worker thread only)
+        self._clients = ClientLedger(client_limits)
         self._busy = threading.Lock()
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
@@ -327,22 +339,32 @@ class Engine:
                 log.exception("the scheduler failed outside a request's handling")
 
     def _admit(self) -> None:
-        """Start queued requests while there is room (waiting for one when idle); run the
-        queued tool jobs (:meth:`with_models`) as they come."""
+        """Put what arrived in line (waiting for something when idle) and run the queued tool jobs
+        (:meth:`with_models`); then start waiting requests while there is room, taking the
+        clients' lines in turn (:mod:`engine.core.turns`), each within its client's running limit
+        and the memory budget. One that does not fit keeps its turn."""
+        self._collect(block=not self._serving and not self._waiting)
+        running = collections.Counter(job.client for job in self._serving)
+        limit = self._clients.limits.running
         while len(self._serving) < self.max_batch:
-            item: _Job | Callable[[], None]
-            if self._held is not None:
-                item, self._held = self._held, None
-            else:
-                try:
-                    item = self._jobs.get(block=not self._serving)
-                except queue.Empty:
-                    return
+            job = self._waiting.take(lambda client: not limit or running[client] < limit)
+            if job is None:
+                return
+            if not self._room_for(job):
+                self._waiting.put_back(job)
+                return
+            running[job.client] += 1
+            self._start(job)
+
+    def _collect(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._jobs.get(block=block)
+            except queue.Empty:
+                return
+            block = False
             if isinstance(item, _Job):
-                if not self._room_for(item):
-                    self._held = item  # (first in line: nothing starts before it)
-                    return
-                self._start(item)
+                self._waiting.put(item)
             else:
                 with self._busy:
                     self._progress_at = time.monotonic()
@@ -392,7 +414,7 @@ class Engine:
     @property
     def waiting(self) -> int:
         """Requests queued, not yet taken up (they wait while the engine is full, or for memory)."""
-        return self._jobs.qsize() + (self._held is not None)
+        return self._jobs.qsize() + len(self._waiting)
 
     @property
     def full(self) -> bool:
@@ -452,6 +474,9 @@ class Engine:
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
         try:
             prompt = self.check(request)
+            self._clients.admit(request.client)
+        except ClientBusy as exc:
+            return Stream.refused(str(exc), request.mode, exc.retry_after)
         except EngineError as exc:
             return Stream.refused(str(exc), request.mode)
         stream = Stream(self.step_timeout, lambda: self.healthy)
@@ -483,6 +508,13 @@ class Engine:
             job.stops = StopStrings(job.request.stop_strings)
 
         self._serving.append(job)
+        log.info(
+            "request %s from %s: %d prompt tokens, mode %s",
+            job.request_id,
+            job.client or "a local user",
+            len(job.prompt),
+            job.request.mode,
+        )
         if job.cancel.is_set():  # stopped (or its tab closed) while it waited in the queue
             self._finish(job, "cancelled")
             return
@@ -610,6 +642,7 @@ class Engine:
             self._batch.leave(job.key, write_back=not error)
         job.stats.finish_reason = reason
         self._serving.remove(job)
+        self._clients.done(job.client)
         metrics = job.stats.snapshot()
         if error:
             self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))

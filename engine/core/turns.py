@@ -1,0 +1,102 @@
+"""Fair turns between clients: who waits for the engine, and in what order they start.
+
+Every request names its client (a browser session, an API key or a caller's address; "" for
+anyone). Waiting requests queue in one line per client, and the engine takes the lines in turn,
+one request each (round-robin), so a client with twenty requests waiting delays another client's
+first one by one request, not twenty. Per-client limits bound what one client may hold: requests
+running at once and requests waiting or running; one over the second is refused at once
+(:class:`ClientBusy`, a 429 with ``Retry-After`` on the API).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from engine.errors import EngineError
+
+T = TypeVar("T")
+RETRY_AFTER_S = 5
+
+
+class ClientBusy(EngineError):
+    """A client asked for more than its share: it may try again after :data:`RETRY_AFTER_S`."""
+
+    retry_after = RETRY_AFTER_S
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client may hold (0: no limit): requests running at once, and requests waiting or
+    running. A local server for one person sets none; a shared link sets both."""
+
+    running: int = 0
+    pending: int = 0
+
+
+NO_LIMITS = ClientLimits()
+
+
+class ClientLedger:
+    """How many requests each client has waiting or running (thread-safe): the callers' threads
+    add, the engine's worker removes."""
+
+    def __init__(self, limits: ClientLimits):
+        self.limits = limits
+        self._pending: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def admit(self, client: str) -> None:
+        """Count a new request of ``client``, or refuse it where the client holds its limit."""
+        with self._lock:
+            if self.limits.pending and self._pending[client] >= self.limits.pending:
+                raise ClientBusy(
+                    f"you already have {self._pending[client]} requests waiting or running, the most this server "
+                    f"takes from one client; try again when one has finished"
+                )
+            self._pending[client] += 1
+
+    def done(self, client: str) -> None:
+        with self._lock:
+            self._pending[client] -= 1
+            if self._pending[client] <= 0:
+                del self._pending[client]
+
+
+class FairQueue(Generic[T]):
+    """Waiting items in one line per client, taken round-robin (worker thread only)."""
+
+    def __init__(self, client_of: Callable[[T], str]):
+        self._client_of = client_of
+        self._lines: dict[str, deque[T]] = {}  # in turn order: the next client first
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def put(self, item: T) -> None:
+        self._lines.setdefault(self._client_of(item), deque()).append(item)
+        self.size += 1
+
+    def put_back(self, item: T) -> None:
+        """Return ``item`` to the head of its line, its client first in turn (it could not start)."""
+        client = self._client_of(item)
+        line = self._lines.pop(client, deque())
+        line.appendleft(item)
+        self._lines = {client: line, **self._lines}
+        self.size += 1
+
+    def take(self, eligible: Callable[[str], bool] = lambda client: True) -> T | None:
+        """The head of the next eligible client's line; that client goes to the end of the turn."""
+        for client in self._lines:
+            if eligible(client):
+                line = self._lines.pop(client)
+                item = line.popleft()
+                if line:
+                    self._lines[client] = line
+                self.size -= 1
+                return item
+        return None
