@@ -18,11 +18,12 @@ import sys
 from functools import partial
 
 from engine.api.openai import build_router
-from engine.cli import run_cli
+from engine.cli import is_loopback, run_cli
 from engine.cluster import deploy as cluster
 from engine.core.budget import parse_size
 from engine.core.modes import MODES
 from engine.core.service import Loading
+from engine.core.turns import PUBLIC_LIMITS
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
 from engine.startup import start_engine
 from ui.launch import API_KEY_ENV, AUTH_ENV, browser_secret, launch, launch_warnings, model_sources, parse_auth, web_app
@@ -68,8 +69,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
         "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
     )
+    parser.add_argument(
+        "--public-limits",
+        action="store_true",
+        default=bool(os.environ.get("SPECCHAT_PUBLIC_LIMITS")),
+        help=f"limit each client to {PUBLIC_LIMITS.running} requests at once and {PUBLIC_LIMITS.pending} waiting or "
+        "running (on by itself with --share or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
+    )
+    parser.add_argument(
+        "--trust-proxy", action="store_true", help="name API callers by X-Forwarded-For (only behind your own proxy)"
+    )
     cluster.add_cluster_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.client_limits = PUBLIC_LIMITS if args.public_limits or args.share or not is_loopback(args.host) else None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray is not None:  # (the ingress builds the page: ui.launch.web_app, importable on every node)
         return run_cli(lambda: cluster.serve_forever(args, partial(web_app, args)))
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
-    api = build_router(engine, args.target, model_sources(args), args.api_key)
+    api = build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy)
     try:
         demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
         launch(demo, args.host, args.port, args.share, auth, api=api)

@@ -8,6 +8,7 @@ import logging
 
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import Engine
+from engine.core.turns import NO_LIMITS
 from engine.prepare.pipeline import prepare_from_args
 
 
@@ -27,4 +28,5 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         max_input_tokens=args.max_input_tokens,
         max_sessions=args.max_sessions,
         memory_limit=getattr(args, "memory_limit", None),
+        client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
     )

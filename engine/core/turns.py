@@ -38,6 +38,8 @@ class ClientLimits:
 
 
 NO_LIMITS = ClientLimits()
+# A shared link's: two requests at once per client (two tabs of one browser), four waiting or running.
+PUBLIC_LIMITS = ClientLimits(running=2, pending=4)
 
 
 class ClientLedger:
