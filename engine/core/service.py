@@ -347,7 +347,7 @@ class Engine:
         running = collections.Counter(job.client for job in self._serving)
         limit = self._clients.limits.running
         while len(self._serving) < self.max_batch:
-            job = self._waiting.take(lambda client: not limit or running[client] < limit)
+            job = self._waiting.take(lambda client: not (limit and client) or running[client] < limit)
             if job is None:
                 return
             if not self._room_for(job):

@@ -1,7 +1,7 @@
 """Fair turns between clients: who waits for the engine, and in what order they start.
 
-Every request names its client (a browser session, an API key or a caller's address; "" for
-anyone). Waiting requests queue in one line per client, and the engine takes the lines in turn,
+Every request names its client (a browser session, an API key or a caller's address; "" for a
+caller inside the process, such as the bench, which no limit applies to). Waiting requests queue in one line per client, and the engine takes the lines in turn,
 one request each (round-robin), so a client with twenty requests waiting delays another client's
 first one by one request, not twenty. Per-client limits bound what one client may hold: requests
 running at once and requests waiting or running; one over the second is refused at once
@@ -54,7 +54,7 @@ class ClientLedger:
     def admit(self, client: str) -> None:
         """Count a new request of ``client``, or refuse it where the client holds its limit."""
         with self._lock:
-            if self.limits.pending and self._pending[client] >= self.limits.pending:
+            if client and self.limits.pending and self._pending[client] >= self.limits.pending:
                 raise ClientBusy(
                     f"you already have {self._pending[client]} requests waiting or running, the most this server "
                     f"takes from one client; try again when one has finished"
