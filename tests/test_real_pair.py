@@ -106,3 +106,22 @@ def test_the_cold_cache_starts_with_one_token(real_engine):
         del target.forward
     assert widths == [40, 1, 39]  # the call, then its two passes
     target.reset()
+
+
+@pytest.mark.slow
+def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memory_budget(real_engine):
+    """A paste at the input cap (about 24,000 tokens; minutes of prefill on 2 cores) is answered,
+    and the process never holds more than its budget; after the answer, no more than the caches
+    it keeps plus 4 GB (docs/design.md, "Memory")."""
+    from engine.core.memory import resident_bytes
+
+    words = real_engine.max_input_tokens - 64  # "word " is one token; the chat template adds a few
+    request = Request(({"role": "user", "content": "word " * words},), mode="best", max_new_tokens=8)
+    assert len(real_engine.check(request)) <= real_engine.max_input_tokens
+    event = real_engine.run(request)
+    assert event.kind == "done", event.error
+    peak = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
+    print(f"peak RSS {peak / 1e9:.1f} GB within a budget of {real_engine.budget.limit / 1e9:.1f} GB")
+    assert peak <= real_engine.budget.limit
+    held = real_engine.budget.bytes_held(real_engine.sessions.kv_cache_bytes)
+    assert resident_bytes() <= held + 4 * 10**9
