@@ -60,6 +60,13 @@ def ir_draft(hf_draft, tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_target(tiny_dir, tokenizer_dir, tiny_cache) -> Path:
+    """A tiny target whose context holds 8,192 tokens (long prompts, memory, reading progress)."""
+    hf = build_model(tiny_dir / "hf-long", tokenizer_dir, seed=5, max_positions=8192)
+    return prepare_one(str(hf), Compression("fp16"), tiny_cache).path
+
+
+@pytest.fixture(scope="session")
 def engine(ir_target, ir_draft):
     """An engine on the tiny pair at f32, where speculative decoding must be exact. Its paced mode
     has no machine figures (``Pacing()``): a tiny model's passes are all overhead, so what they cost

@@ -12,18 +12,6 @@ from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine, Request
-from engine.prepare.convert import Compression
-from engine.prepare.pipeline import prepare_one
-from tests.tiny import build_model
-
-LONG_CONTEXT = 8192
-
-
-@pytest.fixture(scope="module")
-def long_target(tiny_dir, tokenizer_dir, tiny_cache) -> Path:
-    """A tiny target whose context holds 8,192 tokens."""
-    hf = build_model(tiny_dir / "hf-long", tokenizer_dir, seed=5, max_positions=LONG_CONTEXT)
-    return prepare_one(str(hf), Compression("fp16"), tiny_cache).path
 
 
 @pytest.fixture(scope="module")

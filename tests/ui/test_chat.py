@@ -230,3 +230,22 @@ def test_a_lone_surrogate_is_refused_through_the_rest_api(url):
         url, "respond", '{"data": ["broken \\ud800 text", [], ' + json.dumps([*GREEDY.values(), ""])[1:] + "}"
     )
     assert "surrogate" in text(final[1][-1])
+
+
+def test_the_chat_shows_how_far_a_long_message_is_read(long_target):
+    """While a message of thousands of tokens is read, the answer's place says how far (tokens
+    read of total, time left) and the panel shows the prefill rate; then the answer replaces it."""
+    from engine.core.pacing import Pacing
+    from engine.core.runtime import EXACT_CONFIG
+    from engine.core.service import Engine
+    from ui.chat import stream_answer
+
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing())
+    message = "def add(a, b):\n    return a + b\n" * 200
+    settings = ("autoregressive", 4, 0.0, 1.0, 2, 0)
+    frames = list(stream_answer(engine, [{"role": "user", "content": message}], False, settings, "", ""))
+    drawn = [frame[1][-1]["content"] for frame in frames if isinstance(frame[1], list)]
+    reading = [text for text in drawn if "Reading your message" in text]
+    assert reading and " of " in reading[0] and "left" in reading[0]
+    assert any("prompt read at" in frame[3] for frame in frames if isinstance(frame[3], str))
+    assert "Reading" not in drawn[-1]
