@@ -236,8 +236,9 @@ class Pacer:
 
     A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
-    has been cheaper from its first round; with no memory it tries the draft model, then one plain
-    step to compare. It runs the cheaper kind and the other once after ``interval`` rounds, as
+    has been cheaper from its first round, and probes the other only every :attr:`MAX_INTERVAL`
+    rounds; with no memory it tries the draft model, then one plain step to compare. It runs the
+    cheaper kind and the other once after ``interval`` rounds, as
     acceptance changes along an answer and costs grow with the context. A probe weighs half against
     its kind's stale figure; one that confirms the order doubles the interval (up to
     :attr:`MAX_INTERVAL`), one that reverses it starts it over. A probe of the draft model is
@@ -258,6 +259,8 @@ class Pacer:
 
     def __post_init__(self) -> None:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
+        if len(self.memory) == 2:  # the server's rounds have settled the order: probe it seldom
+            self.interval = self.MAX_INTERVAL
 
     def _cheaper(self) -> bool:
         return self.figures[True].cost <= self.figures[False].cost

@@ -1,7 +1,8 @@
 """Fair turns between clients: who waits for the engine, and in what order they start.
 
 Every request names its client (a browser session, an API key or a caller's address; "" for a
-caller inside the process, such as the bench, which no limit applies to). Waiting requests queue in one line per client, and the engine takes the lines in turn,
+caller inside the process, such as the bench, which no limit applies to). Waiting requests queue in
+one line per client, and the engine takes the lines in turn,
 one request each (round-robin), so a client with twenty requests waiting delays another client's
 first one by one request, not twenty. Per-client limits bound what one client may hold: requests
 running at once and requests waiting or running; one over the second is refused at once
