@@ -20,6 +20,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives a real Chromium")
     config.addinivalue_line("markers", "install: installs the app into a fresh venv (a few minutes)")
     config.addinivalue_line("markers", "cluster: starts a two-node Ray cluster on loopback (a minute or two)")
+    config.addinivalue_line("markers", "slow: an opt-in guard that takes minutes (make test-slow)")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ SERVER = llamacpp.server_binary(default_cache_dir())
 
 
 def test_a_missing_server_says_how_to_build_it(tmp_path):
-    with pytest.raises(EngineError, match=r"python -m engine\.tools\.llamacpp"):
+    with pytest.raises(EngineError, match=r"python -m benchmarks\.llamacpp"):
         llamacpp.LlamaCppPeer(tmp_path / "llama-server", tmp_path / "model.gguf")
 
 
