@@ -8,18 +8,29 @@ are ahead."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import gradio as gr
 
 from engine.interface import EngineClient
 from ui import streaming
-from ui.render import CONTINUE, cut, footer_line, header_html, legend_html, metrics_html, render_chat, turn_of
+from ui.render import (
+    CONTINUE,
+    cut,
+    footer_line,
+    header_html,
+    legend_html,
+    metrics_html,
+    reading_line,
+    render_chat,
+    turn_of,
+)
 from ui.sidebar import Sidebar
 
 
@@ -79,14 +90,64 @@ def create_ui(engine: EngineClient, examples: list[dict]) -> ChatTab:
 
 
 # -- handlers ---------------------------------------------------------------------------------
-def respond(engine, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
+class Answers:
+    """The answer each browser session is streaming, so that Stop can end it in its own handler:
+    the handler draws the answer as far as it came and returns, a normal end for Gradio. (With
+    Gradio's ``cancels=`` the page cancels the event itself, and where the cancelled event's last,
+    empty message lands after the cancel (a busy server) the page reads it as an error: the chat
+    then stays under Gradio's error overlay and Continue cannot be clicked.)"""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self._stops: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def answering(self, request: gr.Request | None) -> Iterator[threading.Event]:
+        """The Stop flag of the answer this session starts (a session has one answer at a time)."""
+        stop, session = threading.Event(), request.session_hash if request is not None else None
+        with self._lock:
+            if session is not None:
+                self._stops[session] = stop
+        try:
+            yield stop
+        finally:
+            with self._lock:
+                if session is not None and self._stops.get(session) is stop:
+                    del self._stops[session]
+
+    def stop(self, request: gr.Request) -> None:
+        """Stop: end the session's answer (nothing if none is streaming)."""
+        with self._lock:
+            stop = self._stops.get(request.session_hash) if request.session_hash is not None else None
+        if stop is not None:
+            stop.set()
+
+
+def respond(
+    answers: Answers,
+    message,
+    turns,
+    colour,
+    mode,
+    k,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
+    system,
+    request: gr.Request,
+):
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
     turns = [*turns, {"role": "user", "content": message or ""}]
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    yield from stream_answer(engine, turns, colour, settings, system, box="")
+    with answers.answering(request) as stop:
+        yield from stream_answer(answers.engine, turns, colour, settings, system, box="", stop=stop)
 
 
-def retry(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
+def retry(
+    answers: Answers, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request
+):
     """Drop the last answer and ask the last user message again (the chat's retry button)."""
     users = [i for i, t in enumerate(turns) if t["role"] == "user"]
     if not users:
@@ -95,15 +156,30 @@ def retry(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, se
     last = users[-1]
     turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip())
+    with answers.answering(request) as stop:
+        yield from stream_answer(answers.engine, turns, colour, settings, system, box=gr.skip(), stop=stop)
 
 
-def edit(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, edited: gr.EditData):
+def edit(
+    answers: Answers,
+    turns,
+    colour,
+    mode,
+    k,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
+    system,
+    edited: gr.EditData,
+    request: gr.Request,
+):
     """A user message edited in the chat: the conversation goes on from it, answered again."""
     at = turn_of(turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
     turns = [*turns[:at], {"role": "user", "content": str(edited.value)}]
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip())
+    with answers.answering(request) as stop:
+        yield from stream_answer(answers.engine, turns, colour, settings, system, box=gr.skip(), stop=stop)
 
 
 def undo(turns, colour, undone: gr.UndoData):
@@ -112,22 +188,31 @@ def undo(turns, colour, undone: gr.UndoData):
     return turns[at]["content"], render_chat(turns[:at], colour), turns[:at]
 
 
-def continue_answer(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system=""):
-    """Extend the last answer, cut by its cap or a Stop, from where it stopped (its tokens are
-    in the session's KV caches: only the last is read again)."""
+def chosen_option(
+    answers: Answers,
+    turns,
+    colour,
+    mode,
+    k,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
+    system,
+    chosen: gr.SelectData,
+    request: gr.Request,
+):
+    """An option under an answer was clicked: Continue is the one there is. It extends the last
+    answer, cut by its cap or a Stop, from where it stopped (its tokens are in the session's KV
+    caches: only the last is read again)."""
+    if chosen.value != CONTINUE and not (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
+        return
     if not turns or not cut(turns[-1]):
         gr.Warning("Nothing to continue: the last answer was not cut short.")
         return
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    yield from stream_answer(engine, turns, colour, settings, system, box=gr.skip(), continuing=True)
-
-
-def chosen_option(
-    engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, chosen: gr.SelectData
-):
-    """An option under an answer was clicked: Continue is the one there is."""
-    if chosen.value == CONTINUE or (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
-        yield from continue_answer(engine, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system)
+    with answers.answering(request) as stop:
+        yield from stream_answer(answers.engine, turns, colour, settings, system, gr.skip(), True, stop)
 
 
 def clipped(text: str, keep: int = 2000) -> str:
@@ -135,9 +220,14 @@ def clipped(text: str, keep: int = 2000) -> str:
     return text if len(text) <= keep else f"{text[:keep]}… ({len(text):,} characters in all)"
 
 
-def stream_answer(engine: EngineClient, turns, colour, settings, system, box, continuing=False):
-    """Answer the last user turn (or, ``continuing``, extend the last answer). Closing this
-    generator (Stop) closes the engine stream, which cancels the request within one round."""
+def stream_answer(
+    engine: EngineClient, turns, colour, settings, system, box, continuing=False, stop: threading.Event | None = None
+):
+    """Answer the last user turn (or, ``continuing``, extend the last answer); while a long
+    message is read, say how far in the answer's place. ``stop`` set (Stop): the answer ends as
+    far as it came, marked ``cancelled`` so that Continue can extend it. Closing this generator
+    (Gradio's cancel) ends it without drawing. Either closes the engine stream, which cancels the
+    request within one round."""
     if continuing:
         answer = {**turns[-1], "pieces": list(turns[-1]["pieces"]), "token_ids": list(turns[-1]["token_ids"])}
         turns = [*turns[:-1], answer]
@@ -151,6 +241,7 @@ def stream_answer(engine: EngineClient, turns, colour, settings, system, box, co
         answer_ids=answer["token_ids"],
     )
     throughput = streaming.Throughput()
+    placeholder = False  # the answer's place shows how far the message is read
     events = engine.generate(request)
     try:
         if engine.full:  # a place in the queue is news only when the engine is full
@@ -159,8 +250,21 @@ def stream_answer(engine: EngineClient, turns, colour, settings, system, box, co
             yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip(), gr.skip()
         drawn_at = 0.0
         for event in events.waiting(streaming.HEARTBEAT_S):
+            if stop is not None and stop.is_set():
+                if answer.get("metrics"):
+                    answer["metrics"] = {**answer["metrics"], "finish_reason": "cancelled"}
+                    yield drawn(box, turns, answer, colour, "stopped", throughput.plot(final=True))
+                elif placeholder:  # (stopped while the message was read: it stays, unanswered)
+                    yield box, render_chat(turns[:-1], colour), turns[:-1], metrics_html({}), {}, gr.skip(), ""
+                return
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
                 yield (gr.skip(),) * 7
+                continue
+            if event.kind == "progress":
+                if time.monotonic() - drawn_at >= streaming.REDRAW_S:
+                    drawn_at, placeholder = time.monotonic(), True
+                    reading = {**answer, "content": reading_line(event.metrics)}
+                    yield drawn(box, turns, reading, colour, "reading…", gr.skip(), event.metrics)
                 continue
             if event.kind == "error":
                 gr.Warning(event.error)
@@ -177,51 +281,50 @@ def stream_answer(engine: EngineClient, turns, colour, settings, system, box, co
                 continue
             drawn_at = time.monotonic()
             status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
-            # A copy: Gradio keeps what is yielded by reference, and this answer grows on.
-            shown = [*turns[:-1], {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}]
-            yield (
-                box,
-                render_chat(shown, colour),
-                shown,
-                metrics_html(event.metrics, status),
-                event.metrics,
-                throughput.plot(event.final),
-                footer_line(event.metrics),
-            )
+            yield drawn(box, turns, answer, colour, status, throughput.plot(event.final), event.metrics)
     finally:
         events.close()
 
 
-def stopped(turns, colour, metrics):
-    """The chat and metrics once Stop has cancelled a stream (unchanged if none was streaming: a
-    finished answer's metrics carry its finish reason): the answer so far can be continued."""
-    m = turns[-1].get("metrics") if turns and turns[-1]["role"] == "assistant" else None
-    if not m or m["finish_reason"]:  # (no answer under way: nothing was stopped)
-        return gr.skip(), gr.skip(), gr.skip()
-    turns = [*turns[:-1], {**turns[-1], "metrics": {**turns[-1]["metrics"], "finish_reason": "cancelled"}}]
-    return render_chat(turns, colour), turns, metrics_html(metrics, "stopped")
+def drawn(box, turns: list[dict], answer: dict, colour: bool, status: str, plot, metrics: dict | None = None) -> tuple:
+    """The chat outputs with ``answer`` as the last turn (``metrics``: the figures to show, by
+    default the answer's own)."""
+    metrics = answer.get("metrics", {}) if metrics is None else metrics
+    # A copy: Gradio keeps what is yielded by reference, and this answer grows on.
+    shown = [*turns[:-1], {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}]
+    return (
+        box,
+        render_chat(shown, colour),
+        shown,
+        metrics_html(metrics, status),
+        metrics,
+        plot,
+        footer_line(metrics),
+    )
 
 
 def clear_chat():
     return "", [], [], metrics_html({}), {}, None, ""
 
 
-def engine_bound(fn: Callable, engine: EngineClient) -> Callable:
-    """``partial(fn, engine)`` as Gradio can read it: Gradio finds the parameter that takes an
-    event's data (``gr.EditData``...) by its type hint, which a partial hides."""
+def bound(fn: Callable, *leading: object) -> Callable:
+    """``partial(fn, *leading)`` as Gradio can read it: Gradio finds the parameters that take an
+    event's data (``gr.EditData``...) or its request (``gr.Request``) by their type hints, which a
+    partial hides."""
     if inspect.isgeneratorfunction(fn):
 
-        def bound(*args):
-            yield from fn(engine, *args)
+        def handler(*args):
+            yield from fn(*leading, *args)
     else:
 
-        def bound(*args):
-            return fn(engine, *args)
+        def handler(*args):
+            return fn(*leading, *args)
 
-    bound.__signature__ = inspect.Signature(list(inspect.signature(fn).parameters.values())[1:])  # type: ignore[attr-defined]
-    bound.__annotations__ = {name: hint for name, hint in fn.__annotations__.items() if name != "engine"}
-    bound.__name__, bound.__doc__ = fn.__name__, fn.__doc__
-    return bound
+    parameters = list(inspect.signature(fn).parameters.values())[len(leading) :]
+    handler.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    handler.__annotations__ = {p.name: fn.__annotations__[p.name] for p in parameters if p.name in fn.__annotations__}
+    handler.__name__, handler.__doc__ = fn.__name__, fn.__doc__
+    return handler
 
 
 # -- wiring -----------------------------------------------------------------------------------
@@ -230,43 +333,38 @@ def outputs(chat: ChatTab, sidebar: Sidebar) -> list[gr.components.Component]:
     return [chat.message, chat.chatbot, chat.turns, *sidebar.panels, chat.metrics_line]
 
 
-def wire(engine: EngineClient, chat: ChatTab, sidebar: Sidebar, saved: dict[str, Any]) -> list:
+def wire(answers: Answers, chat: ChatTab, sidebar: Sidebar, saved: dict[str, Any]) -> list:
     """The chat's events; ``saved``: what keeps the conversation after each (see
-    :func:`ui.conversations.saving`). Returns the events that answer, which Stop and leaving a
-    conversation cancel."""
+    :func:`ui.conversations.saving`). Returns the events that answer, which leaving a
+    conversation cancels."""
     chat_in = [chat.turns, chat.colour, *sidebar.settings, sidebar.system]
     chat_out = outputs(chat, sidebar)
     answering: dict[str, Any] = {"show_progress_on": chat.chatbot, **streaming.ENGINE_QUEUE}
-    private: dict[str, Any] = {"queue": False, "api_visibility": "private"}
+    private = streaming.BOOKKEEPING
     chat_events = [
         gr.on(
             [chat.message.submit, chat.send.click],
-            partial(respond, engine),
+            bound(respond, answers),
             [chat.message, *chat_in],
             chat_out,
             api_name="respond",
             **answering,
         ),
-        chat.chatbot.retry(partial(retry, engine), chat_in, chat_out, api_name="retry", **answering),
-        chat.chatbot.edit(engine_bound(edit, engine), chat_in, chat_out, api_visibility="private", **answering),
+        chat.chatbot.retry(bound(retry, answers), chat_in, chat_out, api_name="retry", **answering),
+        chat.chatbot.edit(bound(edit, answers), chat_in, chat_out, api_visibility="private", **answering),
         chat.chatbot.option_select(
-            engine_bound(chosen_option, engine), chat_in, chat_out, api_visibility="private", **answering
+            bound(chosen_option, answers), chat_in, chat_out, api_visibility="private", **answering
         ),
     ]
     for event in chat_events:
         event.then(**saved, **private)
-    chat.stop.click(None, cancels=chat_events).then(
-        stopped,
-        [chat.turns, chat.colour, sidebar.metrics_json],
-        [chat.chatbot, chat.turns, sidebar.metrics_panel],
-        **private,
-    ).then(**saved, **private)
+    chat.stop.click(answers.stop, None, None, **private)
     chat.chatbot.undo(undo, [chat.turns, chat.colour], [chat.message, chat.chatbot, chat.turns], **private).then(
         **saved, **private
     )
-    chat.clear.click(clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False).then(
-        **saved, **private
-    )
+    chat.clear.click(
+        clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False, show_progress="hidden"
+    ).then(**saved, **private)
     chat.chatbot.clear(clear_chat, None, chat_out, cancels=chat_events, **private).then(**saved, **private)
     chat.colour.change(render_chat, [chat.turns, chat.colour], chat.chatbot, **private)
     return chat_events

@@ -20,6 +20,7 @@ import gradio as gr
 
 from engine.interface import EngineClient
 from engine.render import transcript
+from ui import streaming
 from ui.chat import ChatTab, outputs
 from ui.render import cut, footer_line, header_html, last_metrics, metrics_html, render_chat
 from ui.sidebar import Sidebar
@@ -53,14 +54,16 @@ METRIC_KEYS = frozenset(
 
 @dataclass
 class Stores:
-    conv_id: gr.State  # the open conversation's id
+    conv_id: gr.State  # the open conversation's id (None until the page has loaded)
     store: gr.BrowserState  # every conversation kept: {"current", "conversations": {id: ...}}
 
 
 def create_stores(secret: str | None) -> Stores:
     """``secret``: the key the conversations kept in each browser are sealed with (None: a new
-    one, so that they last as long as this server)."""
-    return Stores(gr.State(new_id), gr.BrowserState({}, storage_key=STORE_KEY, secret=secret))
+    one, so that they last as long as this server). The open conversation's id is set by
+    :func:`restore` as the page loads (not by a callable default: Gradio would run it as a load
+    event of its own, which may land after the restore and give the open conversation a second id)."""
+    return Stores(gr.State(None), gr.BrowserState({}, storage_key=STORE_KEY, secret=secret))
 
 
 def new_id() -> str:
@@ -228,7 +231,7 @@ def wire(
     engine: EngineClient, demo: gr.Blocks, stores: Stores, chat: ChatTab, sidebar: Sidebar, chat_events: list
 ) -> None:
     """The sidebar's conversation controls; leaving a conversation stops its answer (``chat_events``)."""
-    private: dict[str, Any] = {"queue": False, "api_visibility": "private"}
+    private = streaming.BOOKKEEPING
     store, colour = stores.store, chat.colour
     opened = [
         store,

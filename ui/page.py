@@ -12,7 +12,7 @@ import gradio as gr
 
 from engine.cli import ASSETS
 from engine.interface import EngineClient
-from ui import chat, compare, conversations, sidebar
+from ui import chat, compare, conversations, sidebar, streaming
 from ui.render import header_html, status_html
 
 QUEUE_POLL_S = 0.02  # how often Gradio's idle queue looks for new events (its default: 1 ms); see quiet_queue
@@ -44,7 +44,8 @@ def build_app(engine: EngineClient, examples: list[dict] | None = None, secret: 
         with gr.Tab("Compare"):
             compare_tab = compare.create_ui(engine, examples)
 
-        chat_events = chat.wire(engine, chat_tab, side, conversations.saving(engine, stores, chat_tab, side))
+        saved = conversations.saving(engine, stores, chat_tab, side)
+        chat_events = chat.wire(chat.Answers(engine), chat_tab, side, saved)
 
         def engine_health() -> dict:
             """Whether the engine is making progress, and how many requests wait for it or use it."""
@@ -55,8 +56,7 @@ def build_app(engine: EngineClient, examples: list[dict] | None = None, secret: 
             partial(refresh_status, engine),
             chat_tab.turns,
             [status, status_timer, chat_tab.header],
-            queue=False,
-            api_visibility="private",
+            **streaming.BOOKKEEPING,
         )
         conversations.wire(engine, demo, stores, chat_tab, side, chat_events)
         sidebar.wire(demo, side)

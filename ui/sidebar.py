@@ -9,6 +9,7 @@ import gradio as gr
 
 from engine.core.modes import MODES
 from engine.interface import EngineClient
+from ui import streaming
 from ui.render import metrics_html
 
 MAX_CAP = 8192  # the largest cap on new tokens the form offers (0: none but the context)
@@ -134,4 +135,4 @@ def draft_length_for(mode):
 
 def wire(demo: gr.Blocks, sidebar: Sidebar) -> None:
     demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
-    sidebar.mode.change(draft_length_for, sidebar.mode, sidebar.k, queue=False, api_visibility="private")
+    sidebar.mode.change(draft_length_for, sidebar.mode, sidebar.k, **streaming.BOOKKEEPING)

@@ -22,6 +22,11 @@ PLOT_EVERY_S = 1.0
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
 HEARTBEAT_S = 0.5
 ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # how handlers that answer queue: the engine orders them
+# How the page's bookkeeping events run (keeping a conversation, redrawing the chat, opening another):
+# at once, beside the queue, out of the API, and with no progress shown (they take milliseconds; an
+# overlay would flicker over the conversation list and the header after every answer, and take the
+# clicks meant for them while it shows).
+BOOKKEEPING: dict[str, Any] = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
 
 
 def make_request(

@@ -217,6 +217,7 @@ def test_conversations_survive_a_reload_and_can_be_switched_exported_and_importe
     page.fill("#system textarea", "Be brief.")
     send(page, "def add(a, b):", "best")
     first = answers(page)
+    kept(page, "def add(a, b):")
     page.reload()
     page.wait_for_selector(ANSWERS)
     assert answers(page) == first and page.input_value("#system textarea") == "Be brief."
@@ -226,6 +227,7 @@ def test_conversations_survive_a_reload_and_can_be_switched_exported_and_importe
     expect(page.locator(ANSWERS)).to_have_count(0)
     set_cap(page, 16)
     send(page, "class Stack:", "best")
+    kept(page, "class Stack:")
     page.click("#conversations input")
     page.get_by_role("option", name="def add(a, b):").click()
     page.wait_for_function("() => document.querySelector('#system textarea').value === 'Be brief.'")
@@ -248,6 +250,12 @@ def test_conversations_survive_a_reload_and_can_be_switched_exported_and_importe
     upload(page, tmp_path / "notes.md")
     expect(page.get_by_text("not a SpecChat export")).to_be_visible()
     assert answers(page) == first  # nothing open was touched
+
+
+def kept(page, title: str) -> None:
+    """Wait until the open conversation is kept in the browser under ``title`` (the answer's
+    save lands after the answer: a reload or a list opened before it would not show it)."""
+    expect(page.locator("#conversations input")).to_have_value(title)
 
 
 def upload(page, path: Path) -> None:
