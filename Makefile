@@ -29,13 +29,13 @@ test: setup lint chromium prepare
 	$(PY) -m pytest -q -m "not slow"
 
 # The slower guards, opt-in (marked `slow`): fresh installs (a Space's and `pip install .`) and
-# the app on a two-node Ray cluster.
+# the longest prompt on the real pair.
 test-slow: setup chromium prepare
 	$(PY) -m pytest -q -m slow
 
-# Tiny models only (no real pair, no browser, nothing slow).
+# Tiny models only (no real pair, no browser, no Ray cluster, nothing slow).
 test-fast: setup
-	$(PY) -m pytest -q -m "not real and not browser and not slow"
+	$(PY) -m pytest -q -m "not real and not browser and not cluster and not slow"
 
 # ruff (lint and format), mypy and the import-linter contracts, all configured in pyproject.toml.
 lint: setup

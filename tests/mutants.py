@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["-m", "not real and not browser and not install"]
+FAST = ["-m", "not real and not browser and not cluster and not slow"]  # make test-fast
 COPIED = ("app.py", "engine", "ui", "benchmarks", "tests", "assets", "pytest.ini", "pyproject.toml")
 
 

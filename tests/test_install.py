@@ -111,6 +111,7 @@ def assert_serves_ui_and_api(url: str) -> None:
 
 
 @pytest.mark.install
+@pytest.mark.slow
 def test_a_space_build_installs_and_serves(fresh_venv, hf_target, hf_draft, tmp_path):
     python = fresh_venv / "bin" / "python"
     listed = subprocess.run([python, "-m", "pip", "list"], capture_output=True, text=True, check=True).stdout
@@ -133,6 +134,7 @@ def test_a_space_build_installs_and_serves(fresh_venv, hf_target, hf_draft, tmp_
 
 
 @pytest.mark.install
+@pytest.mark.slow
 def test_pip_install_gives_the_specchat_command(fresh_venv, hf_target, hf_draft, tmp_path):
     python = fresh_venv / "bin" / "python"
     source = checkout(tmp_path / "source")  # pip builds in the source folder: not in this checkout
