@@ -18,15 +18,23 @@ import sys
 from functools import partial
 
 from engine.api.openai import build_router
-from engine.cli import is_loopback, run_cli
+from engine.cli import run_cli
 from engine.cluster import deploy as cluster
 from engine.core.budget import parse_size
 from engine.core.modes import MODES
 from engine.core.service import Loading
-from engine.core.turns import PUBLIC_LIMITS
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
 from engine.startup import start_engine
-from ui.launch import API_KEY_ENV, AUTH_ENV, browser_secret, launch, launch_warnings, model_sources, parse_auth, web_app
+from ui.launch import (
+    add_serving_arguments,
+    browser_secret,
+    client_limits,
+    launch,
+    launch_warnings,
+    model_sources,
+    parse_auth,
+    web_app,
+)
 from ui.page import build_app
 
 
@@ -34,20 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Chat with an LLM on CPU, sped up by speculative decoding (OpenVINO).")
     add_model_arguments(parser)
     parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
-    parser.add_argument(
-        "--host",
-        default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-        help="address to listen on (0.0.0.0: every interface; default: $GRADIO_SERVER_NAME or loopback)",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
-        help="default: $GRADIO_SERVER_PORT or 7860",
-    )
-    parser.add_argument("--share", action="store_true", help="also ask Gradio for a public link")
-    parser.add_argument("--auth", metavar="USER:PASS", help=f"require a login (default: ${AUTH_ENV})")
-    parser.add_argument("--api-key", help=f"the key /v1 needs as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    add_serving_arguments(parser)
     parser.add_argument(
         "--max-input-tokens",
         type=int,
@@ -69,26 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
         "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
     )
-    parser.add_argument(
-        "--public-limits",
-        action="store_true",
-        default=bool(os.environ.get("SPECCHAT_PUBLIC_LIMITS")),
-        help=f"limit each client to {PUBLIC_LIMITS.running} requests at once and {PUBLIC_LIMITS.pending} waiting or "
-        "running (on by itself with --share or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
-    )
-    parser.add_argument(
-        "--trust-proxy", action="store_true", help="name API callers by X-Forwarded-For (only behind your own proxy)"
-    )
     cluster.add_cluster_arguments(parser)
     args = parser.parse_args(argv)
-    args.client_limits = PUBLIC_LIMITS if args.public_limits or args.share or not is_loopback(args.host) else None
+    args.client_limits = client_limits(args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    args.auth = args.auth or os.environ.get(AUTH_ENV)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         auth = parse_auth(args.auth)

@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI
 
 from engine.api.openai import build_router
 from engine.cli import ASSETS, is_loopback
+from engine.core.turns import PUBLIC_LIMITS, ClientLimits
 from engine.interface import EngineClient
 from engine.prepare.pipeline import cache_dir_from_args
 from engine.render import markdown
@@ -27,6 +28,46 @@ AUTH_ENV = "SPECCHAT_AUTH"
 SECRET_ENV = "SPECCHAT_BROWSER_SECRET"
 API_KEY_ENV = "SPECCHAT_API_KEY"
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the app serves and whom it lets in: address, port, share link, login, API key, and
+    the limits per client."""
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+        help="address to listen on (0.0.0.0: every interface; default: $GRADIO_SERVER_NAME or loopback)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        help="default: $GRADIO_SERVER_PORT or 7860",
+    )
+    parser.add_argument("--share", action="store_true", help="also ask Gradio for a public link")
+    parser.add_argument(
+        "--auth", metavar="USER:PASS", default=os.environ.get(AUTH_ENV), help=f"require a login (default: ${AUTH_ENV})"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"the key /v1 needs as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--public-limits",
+        action="store_true",
+        default=bool(os.environ.get("SPECCHAT_PUBLIC_LIMITS")),
+        help=f"limit each client to {PUBLIC_LIMITS.running} requests at once and {PUBLIC_LIMITS.pending} waiting or "
+        "running (on by itself with --share or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
+    )
+    parser.add_argument(
+        "--trust-proxy", action="store_true", help="name API callers by X-Forwarded-For (only behind your own proxy)"
+    )
+
+
+def client_limits(args: argparse.Namespace) -> ClientLimits | None:
+    """The per-client limits the flags ask for: on by themselves where strangers can reach the app."""
+    return PUBLIC_LIMITS if args.public_limits or args.share or not is_loopback(args.host) else None
 
 
 def launch(
