@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check-best",
         action="store_true",
-        help=f"exit 1 where best is more than {BEST_TOLERANCE:.0%} slower than the fastest of our fixed modes",
+        help=f"exit 1 where best is more than {100 * BEST_TOLERANCE:.0f}%% slower than the fastest of our fixed modes",
     )
     args = parser.parse_args(argv)
     try:
