@@ -236,8 +236,9 @@ class Pacer:
 
     A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
-    has been cheaper from its first round, and probes the other only every :attr:`MAX_INTERVAL`
-    rounds; with no memory it tries the draft model, then one plain step to compare. It runs the
+    has been cheaper from its first round (where that is the draft model, it probes plain steps
+    only every :attr:`MAX_INTERVAL` rounds, as they cost most there); with no memory it tries the
+    draft model, then one plain step to compare. It runs the
     cheaper kind and the other once after ``interval`` rounds, as
     acceptance changes along an answer and costs grow with the context. A probe weighs half against
     its kind's stale figure; one that confirms the order doubles the interval (up to
@@ -259,7 +260,7 @@ class Pacer:
 
     def __post_init__(self) -> None:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
-        if len(self.memory) == 2:  # the server's rounds have settled the order: probe it seldom
+        if len(self.memory) == 2 and self._cheaper():  # the draft model has paid here: plain probes seldom
             self.interval = self.MAX_INTERVAL
 
     def _cheaper(self) -> bool:
