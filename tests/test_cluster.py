@@ -166,25 +166,28 @@ def test_a_killed_replica_ends_its_answer_clearly_and_the_conversation_goes_on(
     served = [*tiny_models(hf_target, hf_draft, tiny_cache), "--ray", cluster, "--replicas", "2"]
     with app_server(served), local.connected(cluster):
         engine = RemoteEngine(serve.get_deployment_handle(ENGINE, APP_NAME))
-        opening = ({"role": "user", "content": "Tell me a long story."},)
-        request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
-        stream = engine.generate(request)
-        first = next(e for e in stream if e.kind == "delta")
-        assert engine.pending == 1 and stream.refusal == ""
-        local.kill_replica(first.metrics["replica"])
-        start = time.monotonic()
-        cut = last(stream)
-        assert cut.kind == "error" and cut.error == REPLICA_LOST and time.monotonic() - start < 30
-        # The next turn of that conversation: another replica prefills it, no error.
-        again = last(engine.generate(request))
-        assert again.kind == "done" and again.metrics["replica"] != first.metrics["replica"]
-        fresh = last(engine.generate(Request(opening, mode="autoregressive", max_new_tokens=200, reuse_cache=False)))
-        assert again.token_ids == fresh.token_ids  # the same answer as a solo run on fresh caches
-        deadline = time.monotonic() + 120  # Ray starts a replica in place of the killed one
-        while len(local.replicas()) < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
-        assert engine.healthy and engine.pending == 0 and engine.replicas == 2
-        refused = engine.generate(Request(opening, mode="no-such-mode"))
-        assert "mode" in refused.refusal and last(refused).kind == "error"  # said by a replica, before any work
-        engine.close()
+        try:  # (closed even on a failure: its probe would otherwise call a cluster that is being stopped)
+            opening = ({"role": "user", "content": "Tell me a long story."},)
+            request = Request(opening, mode="autoregressive", max_new_tokens=200, temperature=0.0)
+            stream = engine.generate(request)
+            first = next(e for e in stream if e.kind == "delta")
+            assert engine.pending == 1 and stream.refusal == ""
+            local.kill_replica(first.metrics["replica"])
+            start = time.monotonic()
+            cut = last(stream)
+            assert cut.kind == "error" and cut.error == REPLICA_LOST and time.monotonic() - start < 30
+            # The next turn of that conversation: another replica prefills it, no error.
+            again = last(engine.generate(request))
+            assert again.kind == "done" and again.metrics["replica"] != first.metrics["replica"]
+            fresh = Request(opening, mode="autoregressive", max_new_tokens=200, reuse_cache=False)
+            assert again.token_ids == last(engine.generate(fresh)).token_ids  # as a solo run on fresh caches
+            # Ray starts a replica in place of the killed one; the engine's probe sees it within its period.
+            deadline = time.monotonic() + 120
+            while (len(local.replicas()) < 2 or engine.replicas < 2) and time.monotonic() < deadline:
+                time.sleep(1)
+            assert len(local.replicas()) == 2 and first.metrics["replica"] not in local.replicas()
+            assert engine.healthy and engine.pending == 0 and engine.replicas == 2
+            refused = engine.generate(Request(opening, mode="no-such-mode"))
+            assert "mode" in refused.refusal and last(refused).kind == "error"  # said by a replica, before any work
+        finally:
+            engine.close()
