@@ -116,6 +116,12 @@ class Answers:
                 if session is not None and self._stops.get(session) is stop:
                     del self._stops[session]
 
+    def answer(self, request: gr.Request | None, turns, colour, settings, system, box, continuing=False):
+        """:func:`stream_answer` for the chat's handlers (which take this object first, as
+        ``answers``), with the session's Stop flag."""
+        with self.answering(request) as stop:
+            yield from stream_answer(self.engine, turns, colour, settings, system, box, continuing, stop)
+
     def stop(self, request: gr.Request) -> None:
         """Stop: end the session's answer (nothing if none is streaming)."""
         with self._lock:
@@ -125,29 +131,15 @@ class Answers:
 
 
 def respond(
-    answers: Answers,
-    message,
-    turns,
-    colour,
-    mode,
-    k,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
-    system,
-    request: gr.Request,
+    answers, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request
 ):
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
     turns = [*turns, {"role": "user", "content": message or ""}]
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    with answers.answering(request) as stop:
-        yield from stream_answer(answers.engine, turns, colour, settings, system, box="", stop=stop)
+    yield from answers.answer(request, turns, colour, settings, system, box="")
 
 
-def retry(
-    answers: Answers, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request
-):
+def retry(answers, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request):
     """Drop the last answer and ask the last user message again (the chat's retry button)."""
     users = [i for i, t in enumerate(turns) if t["role"] == "user"]
     if not users:
@@ -156,30 +148,16 @@ def retry(
     last = users[-1]
     turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
     settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    with answers.answering(request) as stop:
-        yield from stream_answer(answers.engine, turns, colour, settings, system, box=gr.skip(), stop=stop)
+    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip())
 
 
-def edit(
-    answers: Answers,
-    turns,
-    colour,
-    mode,
-    k,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
-    system,
-    edited: gr.EditData,
-    request: gr.Request,
-):
-    """A user message edited in the chat: the conversation goes on from it, answered again."""
+def edit(answers, edited: gr.EditData, request: gr.Request, turns, colour, *chat):
+    """A user message edited in the chat: the conversation goes on from it, answered again.
+    ``chat``: the settings, then the system prompt (the inputs of every answering event)."""
     at = turn_of(turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
     turns = [*turns[:at], {"role": "user", "content": str(edited.value)}]
-    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    with answers.answering(request) as stop:
-        yield from stream_answer(answers.engine, turns, colour, settings, system, box=gr.skip(), stop=stop)
+    *settings, system = chat
+    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip())
 
 
 def undo(turns, colour, undone: gr.UndoData):
@@ -188,31 +166,17 @@ def undo(turns, colour, undone: gr.UndoData):
     return turns[at]["content"], render_chat(turns[:at], colour), turns[:at]
 
 
-def chosen_option(
-    answers: Answers,
-    turns,
-    colour,
-    mode,
-    k,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
-    system,
-    chosen: gr.SelectData,
-    request: gr.Request,
-):
+def chosen_option(answers, chosen: gr.SelectData, request: gr.Request, turns, colour, *chat):
     """An option under an answer was clicked: Continue is the one there is. It extends the last
     answer, cut by its cap or a Stop, from where it stopped (its tokens are in the session's KV
-    caches: only the last is read again)."""
+    caches: only the last is read again). ``chat``: as :func:`edit` takes it."""
     if chosen.value != CONTINUE and not (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
         return
     if not turns or not cut(turns[-1]):
         gr.Warning("Nothing to continue: the last answer was not cut short.")
         return
-    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    with answers.answering(request) as stop:
-        yield from stream_answer(answers.engine, turns, colour, settings, system, gr.skip(), True, stop)
+    *settings, system = chat
+    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip(), continuing=True)
 
 
 def clipped(text: str, keep: int = 2000) -> str:
