@@ -77,6 +77,6 @@ def quiet_queue(demo: gr.Blocks) -> None:
     """Gradio's queue looks for new events every millisecond while it is idle and for progress
     every 10 ms: 5% of a core with no one connected, taken from decoding on the same cores. At
     QUEUE_POLL_S a new request waits up to 20 ms more to start; the lone user's answers ran 2–9%
-    faster (docs/benchmarks.md, "The tenth session's measurements")."""
+    faster (docs/benchmarks.md, "Gradio's idle queue")."""
     demo._queue.sleep_when_free = QUEUE_POLL_S
     demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_S
