@@ -104,7 +104,7 @@ class Answers:
 
     @contextlib.contextmanager
     def answering(self, request: gr.Request | None) -> Iterator[threading.Event]:
-        """The Stop flag of the answer this session starts (a session has one answer at a time)."""
+        """The Stop flag of the answer this browser tab starts (a tab has one answer at a time)."""
         stop, session = threading.Event(), request.session_hash if request is not None else None
         with self._lock:
             if session is not None:
