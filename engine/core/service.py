@@ -531,10 +531,13 @@ class Engine:
         need = self._tokens_needed(job.prompt, job.request) * self.budget.per_token
         need -= self.budget.bytes_held(keep.kv_cache_bytes) if keep is not None else 0  # (already held)
         idle = [s for s in self.sessions.idle(busy) if s is not keep]
-        while self.budget.bytes_held(self._cache_bytes()) + need > self.budget.room and idle:
+
+        def fits() -> bool:
+            return self.budget.bytes_held(self._cache_bytes()) + need <= self.budget.room
+
+        while not fits() and idle:
             idle.pop(0).release()
-        # (alone it fits: Engine.check refused what does not)
-        return not self._serving or self.budget.bytes_held(self._cache_bytes()) + need <= self.budget.room
+        return not self._serving or fits()  # (alone it fits: Engine.check refused what does not)
 
     def _cache_bytes(self) -> int:
         """What every KV cache holds: the conversations' and the batch's rows (padded to the longest)."""
