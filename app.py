@@ -22,7 +22,7 @@ from engine.cli import run_cli
 from engine.cluster import deploy as cluster
 from engine.core.budget import parse_size
 from engine.core.modes import MODES
-from engine.core.service import Loading
+from engine.loading import Loading
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
 from engine.startup import start_engine
 from ui.launch import (

@@ -34,8 +34,9 @@ from benchmarks.report import add_output_arguments, write_text
 from engine import report
 from engine.cli import CODING_PROMPTS
 from engine.core.modes import BY_SHORT_NAME
+from engine.core.requests import Request
 from engine.core.runtime import Runtime
-from engine.core.service import Engine, Request
+from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup

@@ -19,7 +19,7 @@ from pathlib import Path
 import app
 from benchmarks.chromium import FOOTERS, chromium, set_cap
 from engine.cli import free_port
-from engine.core.service import Request
+from engine.core.requests import Request
 from engine.startup import start_engine
 from ui.launch import launch
 from ui.page import build_app, load_examples

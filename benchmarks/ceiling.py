@@ -30,8 +30,9 @@ from benchmarks.bench import add_prompt_arguments, load_prompts
 from engine.cli import run_cli
 from engine.core.drafters import LookupDrafter, NextTokenGuesser
 from engine.core.modes import LOOKUP_SPAN
+from engine.core.requests import Request
 from engine.core.runtime import Runtime
-from engine.core.service import Engine, Request
+from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table, speedup

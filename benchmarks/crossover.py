@@ -7,7 +7,7 @@ draft steps over as many rows (the draft's pass width in the engine), at a given
 on the prepared pair. From them, for U users: plain batched decoding makes U tokens per step;
 batched speculation (K draft steps and one verify over U rows per round) makes U x E tokens per
 round, E = (1 - a^(K+1)) / (1 - a) at acceptance a (Leviathan et al. 2023); serving the users one
-at a time speculatively makes E tokens per lone round. The scheduler (engine/core/service.py)
+at a time speculatively makes E tokens per lone round. The scheduler (engine/core/scheduler.py)
 speculates for a lone request and batches plain steps for several: this table is why.
 """
 

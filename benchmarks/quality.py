@@ -18,7 +18,8 @@ from benchmarks.bench import COLUMNS, Run, add_prompt_arguments, compare_to_ar, 
 from benchmarks.report import add_output_arguments, write_text
 from engine.cli import run_cli
 from engine.core.modes import BY_SHORT_NAME
-from engine.core.service import Engine, Request
+from engine.core.requests import Request
+from engine.core.service import Engine
 from engine.prepare.pipeline import QUALITY_PRECISION, add_model_arguments, prepare_from_args
 from engine.report import markdown_table
 

@@ -2,7 +2,7 @@
 and a cluster's ingress (:mod:`engine.cluster`) are written against this and nothing more.
 
 Three classes offer it: :class:`engine.core.service.Engine` (the models in this process),
-:class:`engine.core.service.Loading` (the same while the models are prepared) and
+:class:`engine.loading.Loading` (the same while the models are prepared) and
 :class:`engine.cluster.remote.RemoteEngine` (engine replicas on a Ray cluster). The tools that
 measure the models themselves (``benchmarks``) use :class:`~engine.core.service.Engine` directly.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from engine.core.service import Request, Stream
+from engine.core.requests import Request, Stream
 
 
 @runtime_checkable

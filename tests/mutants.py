@@ -39,7 +39,7 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "ranges never checked",
-        "engine/core/service.py",
+        "engine/core/requests.py",
         "if above and value <= high:",
         "if True:",
         "a NaN temperature silently produces garbage",
@@ -87,9 +87,9 @@ MUTATIONS = [
     ),
     Mutation(
         "cancel never checked",
-        "engine/core/service.py",
-        "if cancel.is_set():",
-        "if False:",
+        "engine/core/scheduler.py",
+        "elif job.cancel.is_set():",
+        "elif False:",
         "Stop and closed tabs no longer stop the engine",
         "tests/test_decoding.py::test_cancelling_a_stream_stops_the_engine_within_one_round",
     ),
@@ -111,8 +111,8 @@ MUTATIONS = [
     ),
     Mutation(
         "cache never reused",
-        "engine/core/service.py",
-        "if not request.reuse_cache:",
+        "engine/core/scheduler.py",
+        "if not job.request.reuse_cache:",
         "if True:",
         "every turn re-prefills the whole chat",
         "tests/test_decoding.py::test_multi_turn_reuses_the_cache_and_equals_a_fresh_run",

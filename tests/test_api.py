@@ -58,7 +58,7 @@ def test_a_streamed_completion_ends_with_usage_and_speculative_figures(client, e
 
 
 def engine_request(engine: Engine):
-    from engine.core.service import Request
+    from engine.core.requests import Request
 
     return Request(tuple(CHAT), mode="autoregressive", max_new_tokens=24)
 

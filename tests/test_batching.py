@@ -1,4 +1,4 @@
-"""Requests served together (engine.core.batch and the scheduler in engine.core.service), on the
+"""Requests served together (engine.core.batch and engine.core.scheduler), on the
 tiny f32 pair: every answer equals the one the same request gets alone, whatever joins, leaves
 or is cancelled around it; sampling keeps the target's distribution; a failed batched pass fails
 only its own requests."""
@@ -17,9 +17,10 @@ from scipy import stats as scipy_stats
 from engine.core import batch as batch_module
 from engine.core.decoding import Decoder
 from engine.core.pacing import Pacing
+from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.sampling import SamplingParams, logits_to_probs
-from engine.core.service import Engine, Event, Request, Stream
+from engine.core.service import Engine
 
 ANSWER = 24
 
@@ -157,16 +158,16 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(shared):
 
 def test_a_failed_batched_pass_fails_only_its_requests_and_the_next_is_served(shared, monkeypatch, caplog):
     requests = [ask(f"Doomed {i}: count to ten.") for i in range(2)]
-    step = shared._batch.step
+    step = shared.scheduler._batch.step
 
     def broken(tokens):
         raise RuntimeError("injected inference failure")
 
-    monkeypatch.setattr(shared._batch, "step", broken)
+    monkeypatch.setattr(shared.scheduler._batch, "step", broken)
     with held(shared):
         streams = [shared.generate(r) for r in requests]
     finals = [finish(s)[0] for s in streams]
-    monkeypatch.setattr(shared._batch, "step", step)
+    monkeypatch.setattr(shared.scheduler._batch, "step", step)
     assert all(f.kind == "error" and "internal error" in f.error for f in finals)
     assert "injected inference failure" in caplog.text
     after = ask("A normal request afterwards.")

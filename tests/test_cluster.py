@@ -17,7 +17,7 @@ from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST, local
 from engine.cluster.deploy import MIN_THREADS, ClusterSettings
 from engine.cluster.remote import RemoteEngine, affinity_key
 from engine.cluster.router import AffinityRouter
-from engine.core.service import Event, Request, Stream
+from engine.core.requests import Event, Request, Stream
 from engine.errors import EngineError
 from ui.render import render_answer
 

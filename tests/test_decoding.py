@@ -23,9 +23,9 @@ from engine.core.pacing import (
     break_even_acceptance,
     expected_tokens,
 )
+from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
-from engine.core.service import Request
 
 PROMPTS = [
     "def add(a, b):",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine.core import decoding
-from engine.core.service import Request
+from engine.core.requests import Request
 from tests.test_decoding import idle, slowed
 
 HELLO = ({"role": "user", "content": "def add(a, b):"},)

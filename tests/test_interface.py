@@ -4,8 +4,9 @@ remote engine is checked where the ingress creates it, engine/cluster/ingress.py
 
 from __future__ import annotations
 
-from engine.core.service import Engine, Loading
+from engine.core.service import Engine
 from engine.interface import EngineClient
+from engine.loading import Loading
 
 
 def test_the_engine_and_its_loading_placeholder_offer_the_interface(engine: Engine) -> None:

@@ -10,8 +10,9 @@ import pytest
 
 from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
+from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
-from engine.core.service import Engine, Request
+from engine.core.service import Engine
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,8 @@ def test_rows_that_would_not_fit_padded_to_the_longest_are_not_batched(small_bud
     requests = [Request(prompt_ids=p, mode="autoregressive", max_new_tokens=8) for p in (long, short)]
     alone = [engine.run(request).token_ids for request in requests]
     joined: list[int] = []
-    join = engine._batch.join
-    monkeypatch.setattr(engine._batch, "join", lambda members: (joined.append(len(members)), join(members)))
+    join = engine.scheduler._batch.join
+    monkeypatch.setattr(engine.scheduler._batch, "join", lambda members: (joined.append(len(members)), join(members)))
     streams = [engine.generate(request) for request in requests]
     answers = [next(e for e in stream if e.final).token_ids for stream in streams]
     assert answers == alone and not joined

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gradio_client import Client
 
-from engine.core.service import Engine, Request
+from engine.core.requests import Request
+from engine.core.service import Engine
 from tests.ui.served import ask, last_answer, serve
 
 pytestmark = pytest.mark.real

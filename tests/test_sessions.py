@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine.core.pacing import Pacing
+from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
-from engine.core.service import Engine, Request
+from engine.core.service import Engine
 from engine.core.sessions import CONTINUES
 
 ANSWER = 16
@@ -118,7 +119,7 @@ def test_continuing_with_token_ids_outside_the_vocabulary_is_refused(two_session
 def test_a_speculative_answer_is_measured_against_plain_decoding_of_its_context_length(two_sessions):
     engine = two_sessions
     messages = ({"role": "user", "content": "The quick brown fox jumps over the lazy dog, twice."},)
-    engine.baseline = type(engine.baseline)()  # nothing measured yet
+    engine.scheduler.baseline = type(engine.scheduler.baseline)()  # nothing measured yet
     unmeasured = engine.run(Request(messages, mode="best", max_new_tokens=ANSWER, reuse_cache=False))
     assert unmeasured.metrics["speedup_vs_ar"] is None  # the footer then says "expected"
     plain = engine.run(Request(messages, mode="autoregressive", max_new_tokens=ANSWER, reuse_cache=False))

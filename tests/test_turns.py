@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from engine.api.openai import build_router
 from engine.core.pacing import Pacing
+from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
-from engine.core.service import Engine, Request
+from engine.core.service import Engine
 from engine.core.turns import RETRY_AFTER_S, ClientLimits, FairQueue
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from engine.core.service import Request
+from engine.core.requests import Request
 from engine.errors import EngineError
 from engine.interface import EngineClient
 from engine.report import PAPER_COLUMNS, markdown_table, speedup

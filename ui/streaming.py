@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import gradio as gr
 import pandas as pd
 
-from engine.core.service import Request
+from engine.core.requests import Request
 
 # A streaming answer is redrawn at most this often (rounds in between are drawn together), its
 # live plot less often still: a browser re-renders the whole answer at every redraw, and on the

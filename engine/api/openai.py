@@ -24,8 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.core.service import Event, Stream
-from engine.core.service import Request as EngineRequest
+from engine.core.requests import Event, Stream
+from engine.core.requests import Request as EngineRequest
 from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.

@@ -12,8 +12,8 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.cluster.remote import RemoteEngine
 from engine.core.modes import MODES
-from engine.core.service import Loading
 from engine.interface import EngineClient
+from engine.loading import Loading
 
 
 class Ingress(ASGIAppReplicaWrapper):
@@ -27,6 +27,6 @@ class Ingress(ASGIAppReplicaWrapper):
         super().__init__(web(waiting_engine(remote)))
 
 
-def waiting_engine(load: Callable[[], Any]) -> Loading:
+def waiting_engine(load: Callable[[], EngineClient]) -> Loading:
     """The remote engine as the page shows it while the first replica loads."""
     return Loading(load, tuple(MODES), progress_logger="specchat.cluster")

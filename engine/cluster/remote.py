@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST
 from engine.cluster.router import AFFINITY
-from engine.core.service import STEP_TIMEOUT, Event, Request, Stream
+from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.errors import EngineError
 
 # A request whose replica is gone before its first event is sent again, this many times at most.

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from engine.core.service import Event, Request
+from engine.core.requests import Event, Request
 from engine.errors import EngineError
 from engine.startup import start_engine
 

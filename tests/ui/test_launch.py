@@ -14,8 +14,8 @@ from gradio_client import Client
 import app
 from engine.api.openai import build_router
 from engine.cli import free_port
-from engine.core.service import Loading
 from engine.errors import PrepareError
+from engine.loading import Loading
 from tests.ui.served import GREEDY, ask, last_answer, serve
 from ui import page
 from ui.launch import launch, launch_warnings, parse_auth

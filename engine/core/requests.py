@@ -1,0 +1,171 @@
+"""What a caller sends the engine and what it gets back: a :class:`Request`, with the limits on
+its fields and the checks that refuse what the engine must never see, and the :class:`Stream` of
+its :class:`Event` objects.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from engine.core.chat import check_messages
+from engine.core.metrics import Stats
+from engine.errors import EngineError
+
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+MAX_K = 16
+# Seconds a request may go without progress (a round, a prefill chunk) before its stream fails
+# and the engine reports itself unhealthy.
+STEP_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids.
+
+    ``answer_ids``: the token ids of an answer cut short (by its cap, or a Stop) to the last
+    message of ``messages``: the request continues that answer from where it stopped, its
+    tokens exactly as generated (re-tokenized text could split differently)."""
+
+    messages: tuple[dict, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    answer_ids: tuple[int, ...] = ()
+    mode: str = "speculative"
+    k: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
+    client: str = ""  # who asks (a browser session, an API key or address): turns and limits are per client
+
+    def check(self, modes: Sequence[str], max_context: int) -> None:
+        """Refuse what the engine must never see: unknown modes, numbers out of range or not
+        finite (NaN passes every range check of a form), malformed messages."""
+        if self.mode not in modes:
+            raise EngineError(f"unknown mode '{self.mode}': choose one of {', '.join(modes)}")
+        _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _in_range("top_k", self.top_k, 0, max_context, whole=True)
+        _in_range("k", self.k, 1, MAX_K, whole=True)
+        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, whole=True)
+        if self.seed is not None:
+            _in_range("seed", self.seed, 0, 2**63 - 1, whole=True)
+        if len(self.stop_strings) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in self.stop_strings
+        ):
+            raise EngineError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+        check_messages(self.messages)
+        if self.answer_ids and not self.messages:
+            raise EngineError("answer_ids continue an answer to messages: send the messages too")
+
+    def tokens_held(self, prompt: Sequence[int], max_context: int) -> int:
+        """The most tokens this request's caches may hold: its prompt and its whole answer."""
+        return min(len(prompt) + self.max_new_tokens, max_context)
+
+
+def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
+    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``); a whole
+    number must be an int (a float would reach numpy and the sampler as a float)."""
+    number = int if whole else int | float
+    if isinstance(value, number) and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value)):
+        above = value > low if low_open else value >= low
+        if above and value <= high:
+            return
+    kind = "a whole number" if whole else "a number"
+    raise EngineError(
+        f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r:.40}"
+    )
+
+
+@dataclass
+class Event:
+    """``progress`` while a long prompt is read (its metrics say how far: ``prompt_read`` of
+    ``prompt_tokens``), ``delta`` while streaming; a last event ``done`` (or ``error``) carries
+    the final metrics."""
+
+    kind: str
+    text: str = ""
+    pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance) per token
+    metrics: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)  # a delta's round; every token of the answer at the end
+    error: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("done", "error")
+
+
+class Stream:
+    """The events of one request, in order, ending with a ``done`` or ``error`` event.
+
+    ``cancel()`` asks the engine to stop after the current round (or prefill chunk); the stream
+    still ends with its final event (finish reason ``cancelled``). ``close()`` cancels and stops
+    reading. A stream whose engine is unhealthy (no progress on any request for
+    ``step_timeout`` seconds) ends with an error event instead of waiting forever; waiting
+    behind other requests that do progress is not a failure."""
+
+    def __init__(self, step_timeout: float, healthy: Callable[[], bool]) -> None:
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._cancel = threading.Event()
+        self._ended = False
+        self.step_timeout = step_timeout
+        self._healthy = healthy
+        self.refusal = ""  # why the request was refused before it ran (a bad field, too long, not ready)
+        self.retry_after: float | None = None  # refused for now only (its client holds its share): seconds
+
+    @classmethod
+    def refused(cls, error: str, mode: str, retry_after: float | None = None) -> Stream:
+        """A stream that ends at once with ``error``: the request was refused before it ran."""
+        stream = cls(STEP_TIMEOUT, lambda: True)
+        stream.refusal, stream.retry_after = error, retry_after
+        stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
+        return stream
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Event:
+        if self._ended:
+            raise StopIteration
+        while (event := self._poll(self.step_timeout)) is None:
+            pass
+        return event
+
+    def waiting(self, every: float) -> Iterator[Event | None]:
+        """The events, with a None after every ``every`` seconds without one: a caller that must
+        stay responsive while the engine serves others or prefills (a web handler, which can only
+        be stopped between yields) yields at each None."""
+        while not self._ended:
+            yield self._poll(every)
+
+    def _poll(self, seconds: float) -> Event | None:
+        """The next event, or None after ``seconds`` without one; an error event once the engine
+        is unhealthy (no progress on any request for ``step_timeout``)."""
+        try:
+            event = self._events.get(timeout=seconds)
+        except queue.Empty:
+            if self._healthy():
+                return None
+            self.cancel()
+            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
+        self._ended = event.final
+        return event
+
+    @property
+    def ended(self) -> bool:
+        """Its last event read, or closed."""
+        return self._ended
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        self.cancel()
+        self._ended = True

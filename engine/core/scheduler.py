@@ -1,0 +1,400 @@
+"""The engine's worker thread and the scheduler on it: which requests wait, which are served, and
+how each iteration advances them (a prefill chunk, then one round of every generating request:
+alone on its own caches, or several in one batched target pass; :mod:`engine.core.service` says
+why). Every piece of work runs on this one thread, so no two requests touch the KV caches at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.core.batch import Batch
+from engine.core.budget import MemoryBudget
+from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
+from engine.core.metrics import Baseline, Stats
+from engine.core.modes import MODES
+from engine.core.pacing import Pacing
+from engine.core.requests import Event, Request, Stream
+from engine.core.runtime import Runtime
+from engine.core.sampling import SamplingParams
+from engine.core.sessions import Session, SessionPool
+from engine.core.textstream import IncrementalDecoder, StopStrings
+from engine.core.turns import ClientLedger, FairQueue
+from engine.errors import EngineError
+
+T = TypeVar("T")
+# Requests served together; more wait in the queue. On this machine a batched step over 8 rows
+# costs 1.4x a single row's (docs/design.md, "Batching").
+MAX_BATCH = 8
+log = logging.getLogger("specchat.engine")
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request the scheduler serves: what it asked, where its events go, how far it is."""
+
+    request: Request
+    prompt: list[int]
+    events: queue.Queue
+    cancel: threading.Event
+    stats: Stats
+    session: Session | None = None
+    decoder: Decoder | None = None
+    prefill: Iterator[int] | None = None  # the prompt's remaining passes (tokens read after each); None once read
+    detok: IncrementalDecoder | None = None
+    stops: StopStrings | None = None
+    out: list[int] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def key(self) -> int:
+        return id(self)
+
+    @property
+    def client(self) -> str:
+        return self.request.client
+
+
+class Scheduler:
+    """The requests one engine serves, on its worker thread (started here): what arrived, what
+    waits in line, what is being served, and the batch the generating ones share. The engine
+    checks a request and hands it to :meth:`submit`; everything else here runs on the worker."""
+
+    def __init__(
+        self,
+        target: Runtime,
+        sessions: SessionPool,
+        budget: MemoryBudget,
+        tokenizer: Any,
+        clients: ClientLedger,
+        pacing: Pacing,
+        stop_ids: frozenset[int],
+        fence_ids: frozenset[int],
+    ) -> None:
+        """``clients``: the ledger the engine admits requests by (a finished one is returned to
+        it here); ``pacing``, ``stop_ids`` and ``fence_ids`` go to every request's decoder."""
+        self.target = target
+        self.sessions = sessions
+        self.budget = budget
+        self.tokenizer = tokenizer
+        self.pacing = pacing
+        self.stop_ids = stop_ids
+        self.fence_ids = fence_ids
+        self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
+        self._progress_at = time.monotonic()
+        self.max_batch = min(MAX_BATCH, self.sessions.capacity)
+        self._batch = Batch(self.target)
+        self._serving: list[_Job] = []  # started, not finished (worker thread only)
+        self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
+        self._waiting: FairQueue[_Job] = FairQueue(lambda job: job.client)  # in line (worker thread only)
+        self._clients = clients
+        self._busy = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    def submit(self, request: Request, prompt: list[int], stream: Stream) -> None:
+        """Queue a checked request (``prompt``: its ids); its events go to ``stream``."""
+        self._jobs.put(_Job(request, prompt, stream._events, stream._cancel, Stats(request.mode)))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread, after the queued work, and return its result."""
+        future: Future = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed back to the caller's thread
+                future.set_exception(exc)
+
+        self._jobs.put(job)
+        return future.result()
+
+    def stuck(self, timeout: float) -> bool:
+        """Whether the worker has stopped, or a request has made no progress for longer than
+        ``timeout`` seconds: a stuck inference call (the worker recovers when the call returns)."""
+        stalled = self._busy.locked() and time.monotonic() - self._progress_at > timeout
+        return stalled or not self._worker.is_alive()
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for or using the engine."""
+        return self.waiting + len(self._serving)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet taken up (they wait while the engine is full, or for memory)."""
+        return self._jobs.qsize() + len(self._waiting)
+
+    @property
+    def full(self) -> bool:
+        """Serving as many requests as it serves together: new ones wait."""
+        return len(self._serving) >= self.max_batch
+
+    # -- the worker -------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            try:
+                self._admit()
+                with self._busy:
+                    self._progress_at = time.monotonic()
+                    self._advance()
+            except BaseException:  # a failure outside any request's handling: log it, keep serving
+                log.exception("the scheduler failed outside a request's handling")
+
+    def _admit(self) -> None:
+        """Put what arrived in line (waiting for something when idle) and run the queued tool jobs
+        (:meth:`call`); then start waiting requests while there is room, taking the
+        clients' lines in turn (:mod:`engine.core.turns`), each within its client's running limit
+        and the memory budget. One that does not fit keeps its turn."""
+        self._collect(block=not self._serving and not self._waiting)
+        running = collections.Counter(job.client for job in self._serving)
+        limit = self._clients.limits.running
+        while len(self._serving) < self.max_batch:
+            job = self._waiting.take(lambda client: not (limit and client) or running[client] < limit)
+            if job is None:
+                return
+            if not self._room_for(job):
+                self._waiting.put_back(job)
+                return
+            running[job.client] += 1
+            self._start(job)
+
+    def _collect(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._jobs.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(item, _Job):
+                self._waiting.put(item)
+            else:
+                with self._busy:
+                    self._progress_at = time.monotonic()
+                    item()
+
+    # -- the requests served (worker thread) ------------------------------------------------
+    def _start(self, job: _Job) -> None:
+        def start() -> None:
+            job.stats.queue_s = time.perf_counter() - job.stats.start
+            busy = [j.session for j in self._serving if j.session is not None]
+            # A cold-cache request (a benchmark's) empties the session it gets.
+            job.session = self.sessions.take(job.prompt if job.request.reuse_cache else [], busy)
+            if not job.request.reuse_cache:
+                job.session.reset()
+                job.stats.start = time.perf_counter()
+            config = self._decode_config(job.request, job.cancel)
+            drafter = job.session.drafters.get(job.request.mode)
+            job.decoder = Decoder(job.session.target, drafter, job.prompt, config, job.stats)
+            job.prefill = job.decoder.prefill()
+            job.detok = IncrementalDecoder(self.tokenizer, job.request.answer_ids)
+            job.stops = StopStrings(job.request.stop_strings)
+
+        self._serving.append(job)
+        log.info(
+            "request %s from %s: %d prompt tokens, mode %s",
+            job.request_id,
+            job.client or "a local user",
+            len(job.prompt),
+            job.request.mode,
+        )
+        if job.cancel.is_set():  # stopped (or its tab closed) while it waited in the queue
+            self._finish(job, "cancelled")
+            return
+        self._guard([job], start)
+
+    def _room_for(self, job: _Job) -> bool:
+        """Whether the caches ``job`` may grow to fit in the memory budget beside the others',
+        after dropping idle conversations' caches (least recently used first; never the one it
+        continues). A cancelled job starts (and ends) at once."""
+        if job.cancel.is_set():
+            return True
+        busy = [j.session for j in self._serving if j.session is not None]
+        keep = self.sessions.continued(job.prompt, busy)
+        need = job.request.tokens_held(job.prompt, self.target.max_context) * self.budget.per_token
+        need -= self.budget.bytes_held(keep.kv_cache_bytes) if keep is not None else 0  # (already held)
+        idle = [s for s in self.sessions.idle(busy) if s is not keep]
+
+        def fits() -> bool:
+            return self.budget.bytes_held(self._cache_bytes()) + need <= self.budget.room
+
+        while not fits() and idle:
+            idle.pop(0).release()
+        return not self._serving or fits()  # (alone it fits: Engine.check refused what does not)
+
+    def _cache_bytes(self) -> int:
+        """What every KV cache holds: the conversations' and the batch's rows (padded to the longest)."""
+        return self.sessions.kv_cache_bytes + self._batch.kv_cache_bytes
+
+    def _batchable(self, jobs: list[_Job]) -> list[_Job]:
+        """The generating requests whose rows fit the budget together, padded to the longest row:
+        the shortest first. A row a thousand times longer than the others would otherwise make
+        each of them that long."""
+        members = [j.session for j in jobs]
+        others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
+        room = self.budget.room - self.budget.bytes_held(others)
+        chosen: list[_Job] = []
+        for job in sorted(jobs, key=lambda j: len(j.decoder.context)):  # type: ignore[union-attr]
+            width = len(job.decoder.context)  # type: ignore[union-attr]
+            if (len(chosen) + 1) * self.budget.bytes_held(width * self.target.kv_bytes_per_token) > room:
+                break
+            chosen.append(job)
+        return chosen if len(chosen) > 1 else []
+
+    def _advance(self) -> None:
+        """One iteration: the prompts waiting to be read, up to the first that needs a prefill
+        chunk of its own (a long one: that chunk is the iteration's prefill), then one round of
+        every request that is generating (together when there are several). Short prompts
+        arriving together so start together, their prefills in one iteration, instead of one
+        iteration each: the last of four no longer waits for three rounds of the others."""
+        for job in [j for j in self._serving if j.prefill is not None]:
+            self._guard([job], functools.partial(self._read_prompt, job))
+            if job.prefill is not None:
+                break
+        generating = [j for j in self._serving if j.prefill is None]
+        together = self._batchable(generating) if len(generating) > 1 else []
+        if together:
+            self._guard(together, lambda: self._together(together))
+        for job in [j for j in generating if j not in together and j in self._serving]:
+            self._guard([job], functools.partial(self._alone, job))
+
+    def _read_prompt(self, job: _Job) -> None:
+        assert job.prefill is not None and job.decoder is not None
+        if next(job.prefill, None) is None:
+            job.prefill = None
+            job.decoder.room()
+        else:  # how far the prompt is read, for a progress bar
+            self._put(job, Event("progress", metrics=job.stats.snapshot()))
+        self._mark_progress()
+        if job.cancel.is_set():
+            self._finish(job, "cancelled")
+        elif job.decoder.done:  # no room left for even one token
+            self._finish(job, job.stats.finish_reason)
+
+    def _alone(self, job: _Job) -> None:
+        """A speculative round (or a plain step, while speculation does not pay) on the
+        request's own caches."""
+        assert job.decoder is not None
+        if job.key in self._batch:
+            self._batch.leave(job.key)
+        for _ in job.decoder.catch_up():
+            self._mark_progress()
+            if job.cancel.is_set():
+                self._finish(job, "cancelled")
+                return
+        self._emit(job, job.decoder.round(), batch_size=1)
+
+    def _together(self, jobs: list[_Job]) -> None:
+        """One batched target pass over every generating request; each takes its own token."""
+        joining = [j for j in jobs if j.key not in self._batch]
+        for job in joining:
+            assert job.decoder is not None and job.session is not None
+            job.session.target.hold(job.decoder.context[:-1])
+        if joining:
+            self._batch.join([(j.key, j.session.target) for j in joining])  # type: ignore[union-attr]
+        for job in joining:  # its draft cache idles meanwhile: freed (rebuilt over a bounded window if alone again)
+            if job.session is not None and job.session.draft is not None:
+                job.session.draft.release()
+        order = {row.key: i for i, row in enumerate(self._batch.rows)}
+        jobs = sorted(jobs, key=lambda j: order[j.key])
+        logits = self._batch.step([j.decoder.context[-1] for j in jobs])  # type: ignore[union-attr]
+        for job, row in zip(jobs, logits):
+            assert job.decoder is not None
+            self._emit(job, job.decoder.take(row, self._batch.last_seconds), batch_size=len(jobs))
+
+    def _emit(self, job: _Job, round_: Round, batch_size: int) -> None:
+        """Stream a round's text; end the request at a stop string, a cancel or the decoder's end."""
+        assert job.decoder is not None and job.detok is not None and job.stops is not None
+        job.stats.batch_size, job.stats.sharing = batch_size, len(self._serving)
+        job.stats.peak_sharing = max(job.stats.peak_sharing, job.stats.sharing)
+        pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
+        job.out += round_.tokens
+        delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
+        self._put(job, Event("delta", delta, pieces, job.stats.snapshot(), list(round_.tokens)))
+        if stopped:
+            self._finish(job, "stop")
+        elif job.cancel.is_set():
+            self._finish(job, "cancelled")
+        elif job.decoder.done:
+            tail, stopped = job.stops.push(job.detok.flush())
+            tail += "" if stopped else job.stops.flush()
+            if tail:
+                self._put(job, Event("delta", tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
+            self._finish(job, "stop" if stopped else job.stats.finish_reason)
+
+    def _finish(self, job: _Job, reason: str, error: str = "") -> None:
+        """End a request: its batch row goes back to its own cache, its last event is sent."""
+        if job.key in self._batch:
+            self._batch.leave(job.key, write_back=not error)
+        job.stats.finish_reason = reason
+        self._serving.remove(job)
+        self._clients.done(job.client)
+        metrics = job.stats.snapshot()
+        if error:
+            self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))
+            return
+        self.baseline.record(metrics)
+        metrics["speedup_vs_ar"] = 1.0 if metrics["mode"] == "autoregressive" else self.baseline.speedup(metrics)
+        self._put(job, Event("done", metrics=metrics, token_ids=job.out))
+
+    def _guard(self, jobs: list[_Job], work: Callable[[], None]) -> None:
+        """Run ``work`` for ``jobs``; a failure ends those requests only, with a clear message
+        (an unexpected one with an id to find its traceback in the log, and their caches reset)."""
+        try:
+            work()
+        except EngineError as exc:
+            for job in jobs:
+                self._fail(job, str(exc))
+        except Exception:  # never let a request kill the worker, nor leave its caches half-written
+            request_id = uuid.uuid4().hex[:8]
+            log.exception(
+                "request %s failed (%d request(s) in the step, modes %s, prompts of %s tokens)",
+                request_id,
+                len(jobs),
+                ",".join(sorted({j.request.mode for j in jobs})),
+                ",".join(str(len(j.prompt)) for j in jobs),
+            )
+            if any(j.key in self._batch for j in jobs):
+                for job in [j for j in self._serving if j.key in self._batch and j not in jobs]:
+                    self._batch.leave(job.key)  # the others' rows were not touched by the failed pass
+                self._batch.reset()
+            for job in jobs:
+                if job.session is not None and job in self._serving:  # (one that finished keeps its caches)
+                    job.session.reset()
+                self._fail(job, f"internal error (request {request_id}): the server log has the details; try again")
+
+    def _fail(self, job: _Job, error: str) -> None:
+        if job in self._serving:
+            self._finish(job, "error", error)
+
+    def _put(self, job: _Job, event: Event) -> None:
+        self._mark_progress()
+        job.events.put(event)
+
+    def _decode_config(self, request: Request, cancel: threading.Event) -> DecodeConfig:
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
+        mode = MODES[request.mode]
+        return DecodeConfig(
+            mode.drafter is not None,
+            mode.k(request.k),
+            request.max_new_tokens,
+            sampling,
+            self.stop_ids,
+            cancelled=cancel.is_set,
+            progress=self._mark_progress,
+            pacing=self.pacing if mode.paced else None,
+            fence_ids=self.fence_ids,
+        )
+
+    def _mark_progress(self) -> None:
+        self._progress_at = time.monotonic()
