@@ -160,7 +160,12 @@ def start_peer(
 
 
 def own_run(engine: Engine, prompt_id: str, prompt_ids: list[int], mode: str, k: int, n: int, label: str) -> Run:
-    final = engine.run(Request(prompt_ids=tuple(prompt_ids), mode=mode, k=k, max_new_tokens=n, reuse_cache=False))
+    # Each mode is a client of its own: its n-gram pool holds its own earlier answers, as a server's
+    # pool would for one user asking these prompts in turn, and never another mode's answer to the same prompt.
+    request = Request(
+        prompt_ids=tuple(prompt_ids), mode=mode, k=k, max_new_tokens=n, reuse_cache=False, client=f"bench {label}"
+    )
+    final = engine.run(request)
     if final.kind == "error":
         raise EngineError(final.error)
     m = final.metrics
@@ -179,6 +184,9 @@ def own_run(engine: Engine, prompt_id: str, prompt_ids: list[int], mode: str, k:
             "target_kv_bytes": m["target_kv_bytes"],
             "draft_kv_bytes": m["draft_kv_bytes"],
             "expected_speedup": m["expected_speedup"],
+            "plain_rounds": m["plain_rounds"],
+            "pool_drafted": m["pool_drafted"],
+            "pool_accepted": m["pool_accepted"],
         },
     )
 

@@ -29,4 +29,5 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         max_sessions=args.max_sessions,
         memory_limit=getattr(args, "memory_limit", None),
         client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
+        shared_pool=getattr(args, "shared_pool", False),
     )

@@ -80,6 +80,21 @@ def engine(ir_target, ir_draft):
     return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing())
 
 
+@pytest.fixture(scope="module")
+def pair(ir_target, ir_draft):
+    """The tiny target's runtime and a drafter on the tiny draft's, at f32, as the engine runs them."""
+    from engine.core.drafters import ModelDrafter
+    from engine.core.runtime import EXACT_CONFIG, Runtime
+
+    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)
+    return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(draft)
+
+
+@pytest.fixture(scope="module")
+def tok(engine):
+    return engine.tokenizer
+
+
 @pytest.fixture(scope="session")
 def real_pair():
     """The prepared default pair, or skip where it is not prepared."""

@@ -23,6 +23,7 @@ from engine.core.pacing import (
     break_even_acceptance,
     expected_tokens,
 )
+from engine.core.pool import NgramPool
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
@@ -33,12 +34,6 @@ PROMPTS = [
     "héllo wörld 日本語",
     "class Stack:\n    def push",
 ]
-
-
-@pytest.fixture(scope="module")
-def pair(ir_target, ir_draft):
-    draft = Runtime(ir_draft, config=EXACT_CONFIG, masked_rollback=True, pass_width=2)  # as the engine runs it
-    return Runtime(ir_target, config=EXACT_CONFIG), ModelDrafter(draft)
 
 
 DRAFTERS = ["model", "adaptive", "small-head", "lookup", "hybrid", "hybrid-span", "stop-early"]
@@ -60,6 +55,8 @@ def make_drafter(kind: str, pair):
         return LookupDrafter(vocab, min_ngram=1)
     if kind == "stop-early":  # a hybrid whose draft model stops a round early when unsure
         return HybridDrafter(LookupDrafter(vocab), ModelDrafter(model.runtime, p_min=0.3))
+    if kind == "pool":  # a lookup that never matches: a paced round drafts from its n-gram pool
+        return HybridDrafter(LookupDrafter(vocab, min_match=10**6), model)
     if kind == "hybrid-span":  # lookup copies further than K, and past the token budget
         return HybridDrafter(LookupDrafter(vocab, min_ngram=1, span=12), model)
     return HybridDrafter(LookupDrafter(vocab), model)
@@ -69,11 +66,6 @@ def _reset(drafter) -> None:
     for runtime in (getattr(drafter, "runtime", None), getattr(getattr(drafter, "model", None), "runtime", None)):
         if runtime is not None:
             runtime.reset()
-
-
-@pytest.fixture(scope="module")
-def tok(engine):
-    return engine.tokenizer
 
 
 def run(target, drafter, prompt, **cfg) -> tuple[list[int], Stats]:
@@ -175,23 +167,33 @@ WARPED = SamplingParams(temperature=0.7, top_p=0.9)
 @pytest.mark.parametrize(
     "kind, params, paced",
     [(kind, SamplingParams(1.0), False) for kind in ("model", "small-head", "hybrid", "hybrid-span")]
-    + [("model", WARPED, False), ("hybrid", WARPED, False), ("hybrid", SamplingParams(1.0), True)],
+    + [("model", WARPED, False), ("hybrid", WARPED, False), ("hybrid", SamplingParams(1.0), True)]
+    + [("pool", SamplingParams(1.0), True), ("pool", WARPED, True)],
 )
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, paced, monkeypatch):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
     so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
-    Paced, the round after that is a plain step (the pacer measures both kinds)."""
+    Paced, the round after that is a plain step (the pacer measures both kinds). The n-gram pool
+    proposes after any token (each id follows the one before it), the target's greedy answer
+    where it learned it."""
     target, model = pair
     drafter = make_drafter(kind, pair)
     prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
+    pool = None
+    if kind == "pool":
+        pool = NgramPool(target.vocab_size, n=1)
+        pool.learn([*range(target.vocab_size), 0])
+        pool.learn(prompt + run(target, None, prompt, speculative=False, max_new_tokens=8)[0])
     draws, n = 3000, 3
     sd_counts: dict[tuple, int] = {}
     drafted = 0
     for seed in range(draws):
         sampling, pacing = replace(params, seed=seed), Pacing() if paced else None
-        tokens, stats = run(target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=sampling, pacing=pacing)
+        tokens, stats = run(
+            target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=sampling, pacing=pacing, pool=pool
+        )
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
     assert drafted >= draws, "every run should have drafted in its second round"
@@ -580,9 +582,11 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
     paced_kinds(pacer, 20, lambda spec: (0.115, 5) if spec else (0.05, 1))
     pacer.record(True, 0.115, 1)
     assert pacer.figures[True].cost < pacer.figures[False].cost
-    for _ in range(3):  # a run of them does
+    unlucky = 1
+    while pacer.figures[True].cost < pacer.figures[False].cost:  # a run of them does
         pacer.record(True, 0.115, 1)
-    assert pacer.figures[True].cost > pacer.figures[False].cost and pacer.interval == Pacer.MIN_INTERVAL
+        unlucky += 1
+    assert 6 <= unlucky <= 15 and pacer.interval == Pacer.MIN_INTERVAL
 
 
 def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_draft_landed():
@@ -598,7 +602,7 @@ def test_a_paced_round_runs_the_lookup_once_where_it_found_nothing(pair, monkeyp
     """A paced round asks for a free draft first; where there is none and the draft model runs,
     the hybrid does not search (and drift its acceptance) a second time in the same round."""
     target, model = pair
-    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=lambda offered, acceptance, context: 0), model)
+    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=lambda offered, acceptance, context, bar: 0), model)
     calls = []
     monkeypatch.setattr(hybrid.lookup, "lookup", lambda context, k: calls.append(len(context)) or [7, 8])
     context, params = [1, 2, 3, 1, 2], SamplingParams()

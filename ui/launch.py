@@ -61,6 +61,14 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         "running (on by itself with --share or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
     )
     parser.add_argument(
+        "--shared-pool",
+        action="store_true",
+        default=bool(os.environ.get("SPECCHAT_SHARED_POOL")),
+        help="draft every client's answers from one n-gram pool of all earlier answers, not one pool per client: "
+        "faster where users trust each other, but an answer's speed may hint at what others wrote "
+        "(default: $SPECCHAT_SHARED_POOL)",
+    )
+    parser.add_argument(
         "--trust-proxy", action="store_true", help="name API callers by X-Forwarded-For (only behind your own proxy)"
     )
 

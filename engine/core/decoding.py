@@ -17,7 +17,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from engine.core.drafters import Draft, Drafter
+from engine.core.drafters import CopyDrafter, Draft, Drafter
 from engine.core.metrics import Stats
 from engine.core.pacing import Pacer, Pacing
 from engine.core.runtime import Runtime, common_prefix
@@ -50,6 +50,9 @@ class DecodeConfig:
     # Tokens that open or close a code block (they hold a ```): a paced request keeps one pacer for
     # code and one for the text around it.
     fence_ids: frozenset[int] = frozenset()
+    # A paced request's n-gram pool (engine.core.pool): drafts from earlier answers where the
+    # drafter's own copies (the conversation's context) find none.
+    pool: CopyDrafter | None = None
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Decoder:
         self.context = list(prompt)
         self.done = False
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
+        self._unpaid = 0.0  # seconds of the draft's catch-up that no pacer figure has counted yet
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
         stats.prompt_read = stats.cached_tokens
@@ -134,15 +138,22 @@ class Decoder:
         paced = self.pacer is None or self.pacer.speculate()
         return self.modelled and self.stats.rounds > 0 and limit > 0 and paced
 
-    def _free_draft(self, limit: int) -> Draft | None:
-        """A paced request's draft that costs no model pass (prompt lookup, priced by the drafter
-        against this machine's pass costs), tried at every round whatever the pacer says: only
-        the pacer's choice between the draft model and plain steps has a price to learn."""
+    def _free_draft(self, limit: int) -> tuple[Draft, Drafter] | None:
+        """A paced request's draft that costs no model pass, and who made it: prompt lookup in
+        the conversation, else its n-gram pool, each copy priced against this machine's pass
+        costs and what the round would gain otherwise (the pacer's measured pace of draft-model
+        rounds where it runs them). Tried at every round whatever the pacer says: only its choice
+        between the draft model and plain steps has a price to learn."""
         if not (self.config.pacing is not None and self.speculative and self.stats.rounds > 0 and limit > 0):
             return None
         assert self.drafter is not None
-        draft = self.drafter.free(self.context, min(self.config.k, limit), self.config.sampling).head(limit)
-        return draft if draft.tokens else None
+        k, bar = min(self.config.k, limit), self.pacer.bar() if self.pacer is not None else 1.0
+        for copier in (self.drafter, self.config.pool):
+            if copier is None:
+                continue
+            if (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens:
+                return draft, copier
+        return None
 
     def catch_up(self) -> Iterator[int]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
@@ -151,7 +162,8 @@ class Decoder:
         self._caught_up = True
         start = time.perf_counter()
         yield from self.drafter.catch_up(self.context, PREFILL_CHUNK)
-        self.stats.draft_seconds += time.perf_counter() - start
+        self._unpaid = time.perf_counter() - start
+        self.stats.draft_seconds += self._unpaid
 
     def round(self) -> Round:
         """One round on the request's own caches: speculative (while it pays, when paced) or a
@@ -164,10 +176,17 @@ class Decoder:
         spec = free is None and self._speculates(limit)
         start = time.perf_counter()
         if drafter is not None and (free or spec):
-            draft = free or drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng)
-            round_ = _speculative_round(
-                self.target, drafter, self.context, draft.head(limit), self.config.sampling, self.rng, self.stats
+            draft, proposer = free or (
+                drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng),
+                drafter,
             )
+            draft, accepted = draft.head(limit), self.stats.accepted
+            round_ = _speculative_round(
+                self.target, proposer, self.context, draft, self.config.sampling, self.rng, self.stats
+            )
+            if proposer is self.config.pool:
+                self.stats.pool_drafted += len(draft.tokens)
+                self.stats.pool_accepted += self.stats.accepted - accepted
         else:
             logits = _target_logits(self.target, self.context, 1, self.stats)
             round_ = self._plain(logits[-1])
@@ -177,7 +196,11 @@ class Decoder:
         if drafter is not None:
             drafter.rollback(self.context)
         if pacer is not None and self.stats.rounds > 1 and free is None:
-            pacer.record(spec, time.perf_counter() - start, len(round_.tokens))
+            # A try of the draft model pays its catch-up over the conversation first (about 0.5 s
+            # after 2,000 tokens, more than a round): that round's figure counts it.
+            seconds = time.perf_counter() - start + (self._unpaid if spec else 0.0)
+            self._unpaid = 0.0 if spec else self._unpaid
+            pacer.record(spec, seconds, len(round_.tokens))
             self.stats.plain_rounds += not spec
         return round_
 

@@ -17,6 +17,9 @@ from engine.core.sampling import SamplingParams, logits_to_probs, sample, top_pr
 # A windowed draft keeps this many tokens from the start of the conversation: the chat
 # template's header and the system prompt's first words, which say what kind of text follows.
 SINK = 32
+# How many of the tokens a copying drafter offers are worth verifying: (offered, their acceptance,
+# the context's length, the tokens per plain step's time the round must beat) -> how many.
+Price = Callable[[int, float, int, float], int]
 
 
 @dataclass
@@ -39,9 +42,9 @@ class Drafter(Protocol):
         """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
         whose proposals cost nothing may propose more)."""
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         """What this drafter proposes without running a model (prompt lookup), where that promises
-        to pay; empty where it has nothing such."""
+        more tokens per plain step's time than ``bar``; empty where it has nothing such."""
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Learn from the target's verdict on the last proposal: ``accepted`` of ``drafted`` kept."""
@@ -185,7 +188,7 @@ class ModelDrafter:
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         return Draft([], None, 0.0)
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
@@ -204,41 +207,34 @@ class ModelDrafter:
         return self.runtime.kv_cache_bytes
 
 
-class LookupDrafter:
-    """Prompt-lookup drafting: find where the context's last ``min_ngram`` tokens occurred
-    before, pick the occurrence whose preceding tokens match the context's furthest back
-    (up to ``max_ngram``; the latest on a tie), and propose what followed it. Costs no
-    model pass; its proposals are deterministic, so their draft distribution is one-hot.
+class CopyDrafter:
+    """A drafter that copies tokens from text seen before instead of running a model: its
+    proposals cost no pass, only verify rows, and are deterministic (a one-hot draft
+    distribution). Subclasses say where a copy comes from (:meth:`lookup`).
 
-    A ``price`` (the machine's :meth:`engine.core.decoding.PassCosts.worth_copying`) cuts each
-    copy to the length whose verify pass pays best at the acceptance its copies have had (an
-    exponential average over their verdicts, starting at 0.75), and drops it where none does; each
-    copy dropped moves that average a step back toward 0.75, so a few early misses do not stop
-    copying for the rest of the conversation."""
+    A ``price`` (the machine's :meth:`engine.core.pacing.PassCosts.worth_copying`) cuts each copy
+    to the length whose verify pass pays best at the acceptance its copies have had (an
+    exponential average over their verdicts, starting at 0.75), and drops it where none beats
+    the round's ``bar`` (what the alternative gains: a plain step's pace, or the draft model's
+    where it runs faster); each copy dropped moves that average a step back toward 0.75, so a few
+    early misses do not stop copying for the rest of the conversation."""
 
     DECAY = 0.9  # the weight of the earlier verdicts at each new one
     PRIOR = (3.0, 1.0)  # accepted and rejected copied tokens before any verdict: 0.75
 
-    def __init__(
-        self,
-        vocab_size: int,
-        min_ngram: int = 2,
-        max_ngram: int = 32,
-        min_match: int | None = None,
-        span: int | None = None,
-        price: Callable[[int, float, int], int] | None = None,
-    ):
-        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``).
-        ``span``: copy up to this many tokens per round (default: the round's k). A copied run
+    def __init__(self, vocab_size: int, span: int | None = None, price: Price | None = None):
+        """``span``: copy up to this many tokens per round (default: the round's k). A copied run
         costs no draft pass, only verify rows, so it pays to copy further than a model drafts.
-        ``price``: how many of the offered tokens to copy at a given acceptance and context length."""
+        ``price``: how many of the offered tokens to copy at a given acceptance, context length
+        and bar."""
         self.vocab_size = vocab_size
-        self.min_ngram = min_ngram
-        self.max_ngram = max_ngram
-        self.min_match = min_match or min_ngram
         self.span = span
         self.price = price
         self._accepted, self._rejected = self.PRIOR
+
+    def lookup(self, context: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` tokens to copy after ``context`` (none: nothing seen fits)."""
+        raise NotImplementedError
 
     @property
     def acceptance(self) -> float:
@@ -249,11 +245,11 @@ class LookupDrafter:
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         return self.free(context, k, params)
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         start = time.perf_counter()
         tokens = self.lookup(np.asarray(context), self.span or k)
         if self.price is not None and tokens:
-            tokens = tokens[: self.price(len(tokens), self.acceptance, len(context))]
+            tokens = tokens[: self.price(len(tokens), self.acceptance, len(context), bar)]
             if not tokens:  # no verdict comes in while none is copied: drift back toward the prior
                 self._weigh(0.0, 0.0, prior=True)
         probs = None
@@ -261,26 +257,6 @@ class LookupDrafter:
             probs = np.zeros((len(tokens), self.vocab_size))
             probs[np.arange(len(tokens)), tokens] = 1.0
         return Draft(tokens, probs, time.perf_counter() - start)
-
-    def lookup(self, context: np.ndarray, k: int) -> list[int]:
-        n = self.min_ngram
-        if len(context) <= n:
-            return []
-        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
-        best, best_length = -1, -1
-        for hit in hits[::-1]:
-            length = self._match_length(context, int(hit) + n)
-            if length > best_length:
-                best, best_length = int(hit) + n, length
-        return [int(t) for t in context[best : best + k]] if best_length >= self.min_match else []
-
-    def _match_length(self, context: np.ndarray, end: int) -> int:
-        """How many tokens before ``end`` equal the context's last tokens (capped at ``max_ngram``)."""
-        length, limit = 0, min(self.max_ngram, end)
-        while length < limit and context[end - 1 - length] == context[len(context) - 1 - length]:
-            length += 1
-        return length
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -303,6 +279,47 @@ class LookupDrafter:
         return 0
 
 
+class LookupDrafter(CopyDrafter):
+    """Prompt-lookup drafting: find where the context's last ``min_ngram`` tokens occurred
+    before, pick the occurrence whose preceding tokens match the context's furthest back
+    (up to ``max_ngram``; the latest on a tie), and propose what followed it."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        min_ngram: int = 2,
+        max_ngram: int = 32,
+        min_match: int | None = None,
+        span: int | None = None,
+        price: Price | None = None,
+    ):
+        """``min_match``: propose only when at least this many tokens match (default ``min_ngram``)."""
+        super().__init__(vocab_size, span, price)
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.min_match = min_match or min_ngram
+
+    def lookup(self, context: np.ndarray, k: int) -> list[int]:
+        n = self.min_ngram
+        if len(context) <= n:
+            return []
+        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+        best, best_length = -1, -1
+        for hit in hits[::-1]:
+            length = self._match_length(context, int(hit) + n)
+            if length > best_length:
+                best, best_length = int(hit) + n, length
+        return [int(t) for t in context[best : best + k]] if best_length >= self.min_match else []
+
+    def _match_length(self, context: np.ndarray, end: int) -> int:
+        """How many tokens before ``end`` equal the context's last tokens (capped at ``max_ngram``)."""
+        length, limit = 0, min(self.max_ngram, end)
+        while length < limit and context[end - 1 - length] == context[len(context) - 1 - length]:
+            length += 1
+        return length
+
+
 class HybridDrafter:
     """Prompt lookup where the context repeats itself, the draft model elsewhere."""
 
@@ -319,9 +336,9 @@ class HybridDrafter:
         self._model_proposed = not draft.tokens
         return self.model.propose(context, k, params, rng) if self._model_proposed else draft
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         self._model_proposed = False
-        draft = self.lookup.free(context, k, params)
+        draft = self.lookup.free(context, k, params, bar)
         self._nothing_free_at = None if draft.tokens else len(context)
         return draft
 

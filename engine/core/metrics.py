@@ -31,6 +31,8 @@ class Stats:
     accepted: int = 0
     rounds: int = 0
     plain_rounds: int = 0  # rounds a paced request ran as plain steps (speculation did not pay)
+    pool_drafted: int = 0  # of the drafted tokens, those the client's n-gram pool proposed
+    pool_accepted: int = 0
     target_passes: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -74,6 +76,8 @@ class Stats:
             "acceptance_rate": acceptance,
             "target_passes": self.target_passes,
             "plain_rounds": self.plain_rounds,
+            "pool_drafted": self.pool_drafted,
+            "pool_accepted": self.pool_accepted,
             "mean_accepted_length": self.new_tokens / self.target_passes if self.target_passes else 0.0,
             "target_s": self.target_seconds,
             "draft_s": self.draft_seconds,

@@ -176,17 +176,18 @@ class PassCosts:
         """What a rejected token adds after ``context`` tokens, in plain steps."""
         return _over_contexts(context, self.rejection)
 
-    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
+    def worth_copying(self, offered: int, acceptance: float, context: int = 0, bar: float = 1.0) -> int:
         """How many of ``offered`` tokens that cost no draft pass (prompt lookup) to verify after
         ``context`` tokens, each accepted with probability ``acceptance``: the count whose round
-        promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`;
-        else 0. A round costs its verify pass and, where a token is rejected, the rollback of the
-        target's cache (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
+        promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`
+        times ``bar`` (what the round would gain otherwise: 1 for a plain step); else 0. A round
+        costs its verify pass and, where a token is rejected, the rollback of the target's cache
+        (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
         Where the verify pass grows fast with its width (AVX2: 17 tokens cost 5.4 steps) a long
         copy pays only where copies land, and where it does not (AVX-512: 2 steps) the whole copy
         is taken."""
         trim = self.rejection_cost(context)
-        best, promised = 0, TRY_MARGIN
+        best, promised = 0, TRY_MARGIN * bar
         for n in range(1, offered + 1):
             cost = self.ratio(n + 1, context) + (1 - acceptance**n) * trim
             if (gain := expected_tokens(acceptance, n) / cost) >= promised:
@@ -238,17 +239,21 @@ class Pacer:
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
     has been cheaper from its first round (where that is the draft model, it probes plain steps
     only every :attr:`MAX_INTERVAL` rounds, as they cost most there); with no memory it tries the
-    draft model, then one plain step to compare. It runs the
-    cheaper kind and the other once after ``interval`` rounds, as
-    acceptance changes along an answer and costs grow with the context. A probe weighs half against
-    its kind's stale figure; one that confirms the order doubles the interval (up to
-    :attr:`MAX_INTERVAL`), one that reverses it starts it over. A probe of the draft model is
+    draft model, then one plain step to compare. It runs the cheaper kind and the other once after
+    ``interval`` rounds, as acceptance changes along an answer and costs grow with the context. A
+    probe weighs :attr:`PROBE_WEIGHT` against its kind's stale figure; one that confirms the order
+    doubles the interval (up to :attr:`MAX_INTERVAL`), one that reverses it, or alone beat the
+    preferred kind, starts it over. A probe of the draft model is
     skipped while even a round that kept every drafted token would not beat a plain step.
     Which kind runs changes the passes only: every token follows the target's rule, so greedy
     output is the same and sampled output keeps its distribution."""
 
-    WEIGHT = 0.3
-    PROBE_WEIGHT = 0.5
+    # How far one round moves its kind's averages. A speculative round keeps 1 to K + 1 tokens: at
+    # 0.3 a few unlucky rounds on code where the draft model paid 1.45x turned a request to plain
+    # steps (2026-11-25, AVX-512: best 4% behind sd on the coding set); at 0.1 it takes about ten.
+    WEIGHT = 0.1
+    PROBE_WEIGHT = 0.3
+    MEMORY_WEIGHT = 0.05  # the server's memory of a kind of text: the last twenty-odd rounds
     MIN_INTERVAL = 8
     MAX_INTERVAL = 32
 
@@ -271,6 +276,14 @@ class Pacer:
         beat plain steps (after thousands of tokens a verify pass and a trim can cost more)."""
         return self.figures[True].seconds / self.most < self.figures[False].cost
 
+    def bar(self) -> float:
+        """What the kind of round this pacer prefers gains, in tokens per plain step's time: the
+        draft model's measured pace where its rounds have been the cheaper kind, else 1 (plain
+        steps). A copied draft must beat it to be worth its verify rows."""
+        if len(self.figures) < 2 or not self._cheaper():
+            return 1.0
+        return self.figures[False].cost / self.figures[True].cost
+
     def speculate(self) -> bool:
         if True not in self.figures:  # not measured yet: try it
             return True
@@ -284,13 +297,16 @@ class Pacer:
         both = len(self.figures) == 2
         order = self._cheaper() if both else None
         probe = both and speculative != order
+        # A probe that alone beat the preferred kind's average is not a confirmation, even where it
+        # did not yet move its own kind's average past it: the next probe comes soon.
+        promising = probe and seconds / max(tokens, 1) < self.figures[not speculative].cost
         self._move(self.figures, speculative, seconds, tokens, self.PROBE_WEIGHT if probe else self.WEIGHT)
-        self._move(self.memory, speculative, seconds, tokens, self.WEIGHT)
+        self._move(self.memory, speculative, seconds, tokens, self.MEMORY_WEIGHT)
         if not both:
             return
         if probe:
             self.streak = 0
-            confirmed = self._cheaper() == order
+            confirmed = self._cheaper() == order and not promising
             self.interval = min(2 * self.interval, self.MAX_INTERVAL) if confirmed else self.MIN_INTERVAL
         elif self._cheaper() != order:  # its own average says the other kind is cheaper now
             self.streak, self.interval = 0, self.MIN_INTERVAL
@@ -319,9 +335,9 @@ class Pacing:
         """Whether a round of the draft model can pay here at all (after a short context)."""
         return self.costs is None or self.costs.break_even() <= CEILING
 
-    def worth_copying(self, offered: int, acceptance: float, context: int = 0) -> int:
-        """How many of ``offered`` prompt-lookup tokens to verify (:meth:`PassCosts.worth_copying`)."""
-        return offered if self.costs is None else self.costs.worth_copying(offered, acceptance, context)
+    def worth_copying(self, offered: int, acceptance: float, context: int = 0, bar: float = 1.0) -> int:
+        """How many of ``offered`` copied tokens to verify (:meth:`PassCosts.worth_copying`)."""
+        return offered if self.costs is None else self.costs.worth_copying(offered, acceptance, context, bar)
 
     def pacer(self, in_code: bool, most: int) -> Pacer:
         """A request's pacer for code (``in_code``) or prose, starting from what the server measured."""

@@ -24,6 +24,7 @@ from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.metrics import Baseline, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import Pacing
+from engine.core.pool import Pools
 from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
@@ -80,9 +81,12 @@ class Scheduler:
         pacing: Pacing,
         stop_ids: frozenset[int],
         fence_ids: frozenset[int],
+        pools: Pools,
     ) -> None:
         """``clients``: the ledger the engine admits requests by (a finished one is returned to
-        it here); ``pacing``, ``stop_ids`` and ``fence_ids`` go to every request's decoder."""
+        it here); ``pacing``, ``stop_ids`` and ``fence_ids`` go to every request's decoder;
+        ``pools``: the clients' n-gram pools, which paced requests draft from and every finished
+        one adds its conversation to."""
         self.target = target
         self.sessions = sessions
         self.budget = budget
@@ -90,6 +94,7 @@ class Scheduler:
         self.pacing = pacing
         self.stop_ids = stop_ids
         self.fence_ids = fence_ids
+        self.pools = pools
         self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
@@ -340,6 +345,8 @@ class Scheduler:
         self._serving.remove(job)
         self._clients.done(job.client)
         metrics = job.stats.snapshot()
+        if job.decoder is not None and not error:
+            self.pools.learn(job.client, job.decoder.context)
         if error:
             self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))
             return
@@ -394,6 +401,7 @@ class Scheduler:
             progress=self._mark_progress,
             pacing=self.pacing if mode.paced else None,
             fence_ids=self.fence_ids,
+            pool=self.pools.of(request.client) if mode.paced else None,
         )
 
     def _mark_progress(self) -> None:

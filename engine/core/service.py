@@ -23,8 +23,9 @@ from engine.core import chat
 from engine.core.budget import MemoryBudget, gigabytes
 from engine.core.drafters import Drafter
 from engine.core.memory import resident_bytes, return_freed_buffers
-from engine.core.modes import BEST_K, COPY_WIDTHS, MODES, DrafterParts
+from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import Pacing, PassCosts
+from engine.core.pool import Pools
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.scheduler import Scheduler
@@ -64,6 +65,7 @@ class Engine:
         memory_limit: int | None = None,
         pacing: Pacing | None = None,
         client_limits: ClientLimits = NO_LIMITS,
+        shared_pool: bool = False,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -75,7 +77,8 @@ class Engine:
         ``memory_limit``: bytes the process may hold (default: a share of the machine's memory,
         :mod:`engine.core.budget`); the input cap follows from it too. ``pacing``: the paced mode's
         policy (default: priced by the passes timed here at start). ``client_limits``: what one
-        client may hold (default: no limit; :mod:`engine.core.turns`). The two models must share
+        client may hold (default: no limit; :mod:`engine.core.turns`). ``shared_pool``: one n-gram
+        pool for every client, instead of one each (:mod:`engine.core.pool`). The two models must share
         one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
@@ -130,6 +133,7 @@ class Engine:
             self.pacing,
             self.stop_ids,
             self.fence_ids,
+            Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, shared_pool),
         )
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
