@@ -33,6 +33,7 @@ from ui.launch import (
     launch_warnings,
     model_sources,
     parse_auth,
+    public,
     web_app,
 )
 from ui.page import build_app
@@ -67,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_cluster_arguments(parser)
     args = parser.parse_args(argv)
     args.client_limits = client_limits(args)
+    args.shared_pool = args.shared_pool or not public(args)  # (a private server's clients are one person)
     return args
 
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
     api = build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy)
     try:
-        demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
+        demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)), limits=args.client_limits)
         launch(demo, args.host, args.port, args.share, auth, api=api)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)

@@ -652,3 +652,17 @@ def test_a_paced_request_keeps_one_pacer_for_code_and_one_for_the_text_around_it
     fences = frozenset(expected[3::4])  # tokens of the answer itself: the regime flips along it
     tokens, _ = run(target, drafter, prompt, k=4, max_new_tokens=30, pacing=Pacing(), fence_ids=fences)
     assert tokens == expected
+
+
+def test_copies_are_verified_while_they_pay_better_than_the_preferred_kind_and_probed_otherwise():
+    """Where the draft model keeps more tokens per second than copied rounds do, a copy is verified
+    only once in MIN_INTERVAL offers (to measure copies again); where copies do better, every one."""
+    pacer = Pacer()
+    paced_kinds(pacer, 20, lambda spec: (0.15, 4) if spec else (0.05, 1))  # the draft model: 0.0375 s a token
+    assert pacer.copy()  # copies not measured yet: tried
+    pacer.record_copy(0.12, 2)  # 0.06 s a token
+    taken = [pacer.copy() for _ in range(4 * Pacer.MIN_INTERVAL)]
+    assert sum(taken) == 4
+    for _ in range(10):
+        pacer.record_copy(0.1, 8)  # copies that land: 0.0125 s a token
+    assert all(pacer.copy() for _ in range(20))

@@ -3,9 +3,11 @@ tiny pair with the engine's worker held while requests arrive."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 from fastapi import FastAPI
@@ -16,7 +18,7 @@ from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
-from engine.core.turns import RETRY_AFTER_S, ClientLimits, FairQueue
+from engine.core.turns import PUBLIC_LIMITS, RETRY_AFTER_S, ClientLimits, FairQueue
 
 
 def test_the_lines_are_taken_in_turn_one_request_per_client():
@@ -89,19 +91,41 @@ def test_a_client_over_its_limit_is_refused_for_now_and_nobody_else_is(shared_en
 
 
 def test_the_api_names_its_client_by_key_or_address_and_answers_a_busy_one_with_retry_after(shared_engine):
-    app = FastAPI()
-    app.include_router(build_router(shared_engine, "tiny", {}, None))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with TestClient(app) as http:
-        for _ in range(2):  # the caller's address holds its two requests
-            shared_engine._clients.admit("ip:testclient")
-        try:
-            busy = http.post("/v1/chat/completions", json=body)
-            keyed = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
-        finally:
-            for _ in range(2):
-                shared_engine._clients.done("ip:testclient")
-        again = http.post("/v1/chat/completions", json=body)
-    assert busy.status_code == 429 and busy.headers["Retry-After"] == str(RETRY_AFTER_S)
-    assert "try again" in busy.json()["error"]["message"]
-    assert keyed.status_code == 200 and again.status_code == 200  # another client; the same one later
+    key = "k"
+    for server_key, busy_client in ((None, "ip:testclient"), (key, "key:" + hashlib.sha256(b"k").hexdigest()[:12])):
+        app = FastAPI()
+        app.include_router(build_router(shared_engine, "tiny", {}, server_key))
+        with TestClient(app) as http:
+            for _ in range(2):  # the client holds its two requests
+                shared_engine._clients.admit(busy_client)
+            try:
+                # (a key the server does not ask for names no one: the caller is its address)
+                busy = http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            finally:
+                for _ in range(2):
+                    shared_engine._clients.done(busy_client)
+            again = http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == str(RETRY_AFTER_S)
+        assert "try again" in busy.json()["error"]["message"]
+        assert again.status_code == 200  # the same client, once its requests have finished
+
+
+def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir_target, ir_draft):
+    """On a shared link a visitor without a login (a page session, an API caller without a key)
+    may send shorter conversations and gets shorter answers; a logged-in user or a key does not."""
+    limits = ClientLimits(stranger_input_tokens=24, stranger_answer_tokens=5)
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), client_limits=limits)
+    long = Request(({"role": "user", "content": "def add(a, b): return a + b " * 4},), max_new_tokens=12)
+    refused = engine.run(replace(long, client="page:abc"))
+    assert refused.kind == "error" and "at most 24 tokens" in refused.error and "not logged in" in refused.error
+    known = [engine.run(replace(long, client=client)) for client in ("user:bob", "key:0123")]
+    assert all(e.kind == "done" and len(e.token_ids) == 12 for e in known)
+    short = Request(({"role": "user", "content": "hi"},), max_new_tokens=12)
+    capped = engine.run(replace(short, client="ip:1.2.3.4"))
+    assert capped.kind == "done" and len(capped.token_ids) == 5 and capped.metrics["finish_reason"] == "length"
+    assert limits.describe() == "without a login, messages up to 24 tokens and answers up to 5 tokens"
+    assert PUBLIC_LIMITS.describe() == (
+        "2 answers at once and 4 waiting or running; without a login, messages up to 4,096 tokens and answers "
+        "up to 1,024 tokens"
+    )

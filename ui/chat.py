@@ -120,7 +120,8 @@ class Answers:
         """:func:`stream_answer` for the chat's handlers (which take this object first, as
         ``answers``), with the session's Stop flag."""
         with self.answering(request) as stop:
-            yield from stream_answer(self.engine, turns, colour, settings, system, box, continuing, stop)
+            client = streaming.client_of(request)
+            yield from stream_answer(self.engine, turns, colour, settings, system, box, continuing, stop, client)
 
     def stop(self, request: gr.Request) -> None:
         """Stop: end the session's answer (nothing if none is streaming)."""
@@ -185,7 +186,15 @@ def clipped(text: str, keep: int = 2000) -> str:
 
 
 def stream_answer(
-    engine: EngineClient, turns, colour, settings, system, box, continuing=False, stop: threading.Event | None = None
+    engine: EngineClient,
+    turns,
+    colour,
+    settings,
+    system,
+    box,
+    continuing=False,
+    stop: threading.Event | None = None,
+    client: str = "",
 ):
     """Answer the last user turn (or, ``continuing``, extend the last answer); while a long
     message is read, say how far in the answer's place. ``stop`` set (Stop): the answer ends as
@@ -203,6 +212,7 @@ def stream_answer(
         *settings,
         context=engine.max_context,
         answer_ids=answer["token_ids"],
+        client=client,
     )
     throughput = streaming.Throughput()
     placeholder = False  # the answer's place shows how far the message is read

@@ -138,13 +138,28 @@ def speed_frame(runs: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["run", "tokens_per_s"]).astype({"run": str, "tokens_per_s": float})
 
 
-def compare(engine: EngineClient, prompt, left, right, k, temperature, top_p, max_new_tokens, seed, system=""):
+def compare(
+    engine: EngineClient,
+    prompt,
+    left,
+    right,
+    k,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
+    system="",
+    page: gr.Request | None = None,
+):
     """The prompt in the ``left`` mode, then in the ``right`` one, each with fresh caches (both
     stream); then both answers race side by side at their measured pace."""
     messages = streaming.conversation([{"role": "user", "content": prompt}], system)
     settings = (k, temperature, top_p, max_new_tokens, seed)
+    client = streaming.client_of(page)
     requests = {
-        side: streaming.make_request(messages, mode, *settings, context=engine.max_context, reuse_cache=False)
+        side: streaming.make_request(
+            messages, mode, *settings, context=engine.max_context, reuse_cache=False, client=client
+        )
         for side, mode in zip(SIDES, (left, right))
     }
     runs: dict[str, dict[str, Any]] = {
@@ -214,17 +229,23 @@ def _raced(run: dict, now: float) -> tuple[str, str]:
     return run["text"][:chars] + " ▌", f"**{tokens / max(now, 1e-3):.1f} tokens/s** · {tokens} tokens · {now:.1f} s"
 
 
-def paper_table(engine: EngineClient, prompt, k):
+def paper_table(engine: EngineClient, prompt, k, page: gr.Request | None = None):
     """AR vs SD at N = 40 and 100 new tokens, greedy, fresh caches: the paper's table."""
     messages = ({"role": "user", "content": prompt},)
     rows: list[dict] = []
     for n in PAPER_LENGTHS:
         ar_wall = None
         for mode in ("autoregressive", "speculative"):
-            request = Request(
-                messages, mode=mode, k=streaming.whole(k), max_new_tokens=n, temperature=0.0, reuse_cache=False
+            asked = Request(
+                messages,
+                mode=mode,
+                k=streaming.whole(k),
+                max_new_tokens=n,
+                temperature=0.0,
+                reuse_cache=False,
+                client=streaming.client_of(page),
             )
-            events = engine.generate(request)
+            events = engine.generate(asked)
             try:
                 for event in events.waiting(streaming.HEARTBEAT_S):
                     if event is None:

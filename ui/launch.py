@@ -18,7 +18,7 @@ from fastapi import APIRouter, FastAPI
 
 from engine.api.openai import build_router
 from engine.cli import ASSETS, is_loopback
-from engine.core.turns import PUBLIC_LIMITS, ClientLimits
+from engine.core.turns import NO_LIMITS, PUBLIC_LIMITS, ClientLimits
 from engine.interface import EngineClient
 from engine.prepare.pipeline import cache_dir_from_args
 from engine.render import markdown
@@ -57,25 +57,30 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         "--public-limits",
         action="store_true",
         default=bool(os.environ.get("SPECCHAT_PUBLIC_LIMITS")),
-        help=f"limit each client to {PUBLIC_LIMITS.running} requests at once and {PUBLIC_LIMITS.pending} waiting or "
-        "running (on by itself with --share or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
+        help=f"a shared link's limits, stated on the page: {PUBLIC_LIMITS.describe()} (on by itself with --share "
+        "or a public --host; default: $SPECCHAT_PUBLIC_LIMITS)",
     )
     parser.add_argument(
         "--shared-pool",
         action="store_true",
         default=bool(os.environ.get("SPECCHAT_SHARED_POOL")),
         help="draft every client's answers from one n-gram pool of all earlier answers, not one pool per client: "
-        "faster where users trust each other, but an answer's speed may hint at what others wrote "
-        "(default: $SPECCHAT_SHARED_POOL)",
+        "faster where users trust each other, but an answer's speed may hint at what others wrote (on by itself "
+        "where --public-limits is off; default: $SPECCHAT_SHARED_POOL)",
     )
     parser.add_argument(
         "--trust-proxy", action="store_true", help="name API callers by X-Forwarded-For (only behind your own proxy)"
     )
 
 
-def client_limits(args: argparse.Namespace) -> ClientLimits | None:
+def public(args: argparse.Namespace) -> bool:
+    """Whether strangers can reach the app (or the operator says to treat it so)."""
+    return args.public_limits or args.share or not is_loopback(args.host)
+
+
+def client_limits(args: argparse.Namespace) -> ClientLimits:
     """The per-client limits the flags ask for: on by themselves where strangers can reach the app."""
-    return PUBLIC_LIMITS if args.public_limits or args.share or not is_loopback(args.host) else None
+    return PUBLIC_LIMITS if public(args) else NO_LIMITS
 
 
 def launch(
@@ -136,8 +141,8 @@ def page_options() -> dict[str, Any]:
 def web_app(args: argparse.Namespace, engine: EngineClient) -> FastAPI:
     """The page and the API on ``engine`` as one ASGI app: what the cluster's ingress serves."""
     server = FastAPI()
-    server.include_router(build_router(engine, args.target, model_sources(args), args.api_key))
-    demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)))
+    server.include_router(build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy))
+    demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)), limits=args.client_limits)
     return gr.mount_gradio_app(server, demo, path="/", auth=parse_auth(args.auth), **page_options())
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from engine.cli import ASSETS
+from engine.core.turns import NO_LIMITS, ClientLimits
 from engine.interface import EngineClient
 from ui import chat, compare, conversations, sidebar, streaming
 from ui.render import header_html, status_html
@@ -23,10 +24,16 @@ def load_examples(path: Path = ASSETS / "examples.json") -> list[dict]:
     return json.loads(path.read_text())
 
 
-def build_app(engine: EngineClient, examples: list[dict] | None = None, secret: str | None = None) -> gr.Blocks:
+def build_app(
+    engine: EngineClient,
+    examples: list[dict] | None = None,
+    secret: str | None = None,
+    limits: ClientLimits = NO_LIMITS,
+) -> gr.Blocks:
     """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default:
     assets/examples.json). ``secret``: the key the conversations kept in each browser are
-    encrypted with (default: a new one, so they last as long as this server)."""
+    encrypted with (default: a new one, so they last as long as this server). ``limits``: what
+    the engine allows each visitor, stated on the page."""
     examples = load_examples() if examples is None else examples
     with gr.Blocks(
         title="SpecChat · speculative decoding on CPU",
@@ -37,6 +44,8 @@ def build_app(engine: EngineClient, examples: list[dict] | None = None, secret: 
     ) as demo:
         stores = conversations.create_stores(secret)
         status = gr.HTML(status_html(engine.state), elem_id="status")
+        if said := limits.describe():
+            gr.Markdown(f"This shared server allows each visitor {said}.", elem_id="limits")
         status_timer = gr.Timer(1.0, active=engine.state != "ok")
         side = sidebar.create_ui(engine)
         with gr.Tab("Chat"):

@@ -12,6 +12,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.core.requests import Request
+from engine.core.turns import PAGE, USER
 
 # A streaming answer is redrawn at most this often (rounds in between are drawn together), its
 # live plot less often still: a browser re-renders the whole answer at every redraw, and on the
@@ -29,12 +30,33 @@ ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # how handlers that 
 BOOKKEEPING: dict[str, Any] = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
 
 
+def client_of(request: gr.Request | None) -> str:
+    """Who asks from the page: the logged-in user, else the browser session (Gradio's session hash;
+    each tab has one); "" where Gradio gave neither (a handler called directly)."""
+    if request is None:
+        return ""
+    if request.username:
+        return USER + request.username
+    return PAGE + request.session_hash if request.session_hash else ""
+
+
 def make_request(
-    messages, mode, k, temperature, top_p, max_new_tokens, seed, *, context: int, reuse_cache=True, answer_ids=()
+    messages,
+    mode,
+    k,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
+    *,
+    context: int,
+    reuse_cache=True,
+    answer_ids=(),
+    client: str = "",
 ) -> Request:
     """The sidebar's settings as an engine request; the engine refuses what is out of range.
     ``max_new_tokens`` 0: until the model stops, within its ``context``. ``answer_ids``: the
-    tokens of an answer this request continues."""
+    tokens of an answer this request continues. ``client``: who asks (:func:`client_of`)."""
     cap = whole(max_new_tokens)
     return Request(
         messages=tuple(messages),
@@ -46,6 +68,7 @@ def make_request(
         top_p=top_p,
         seed=None if seed is None or (_finite(seed) and seed < 0) else whole(seed),
         reuse_cache=reuse_cache,
+        client=client,
     )
 
 

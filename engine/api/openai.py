@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.core.requests import Event, Stream
 from engine.core.requests import Request as EngineRequest
+from engine.core.turns import ADDRESS, KEY
 from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
@@ -99,14 +100,15 @@ def usage(metrics: dict) -> dict[str, Any]:
     }
 
 
-def client_of(http: Request, trust_proxy: bool = False) -> str:
-    """Who asks: the bearer key they sent (as a short digest), else their address; behind a proxy
-    the operator trusts (``trust_proxy``), the first address of ``X-Forwarded-For``."""
+def client_of(http: Request, keyed: bool, trust_proxy: bool = False) -> str:
+    """Who asks: on a server that requires a key (``keyed``; the caller's was checked), that key as
+    a short digest; else their address (a stranger); behind a proxy the operator trusts
+    (``trust_proxy``), the first address of ``X-Forwarded-For``."""
     given = http.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if given:
-        return "key:" + hashlib.sha256(given.encode()).hexdigest()[:12]
+    if keyed and given:
+        return KEY + hashlib.sha256(given.encode()).hexdigest()[:12]
     forwarded = http.headers.get("x-forwarded-for", "").split(",")[0].strip() if trust_proxy else ""
-    return "ip:" + (forwarded or (http.client.host if http.client else "unknown"))
+    return ADDRESS + (forwarded or (http.client.host if http.client else "unknown"))
 
 
 def build_router(
@@ -162,7 +164,9 @@ def build_router(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return error(400, f"{where}: {first['msg']}", "invalid_request_error", where)
-        request = dataclasses.replace(asked.engine_request(engine.max_context), client=client_of(http, trust_proxy))
+        request = dataclasses.replace(
+            asked.engine_request(engine.max_context), client=client_of(http, bool(api_key), trust_proxy)
+        )
         stream = engine.generate(request)
         if stream.refusal and stream.retry_after is not None:  # its client holds its share
             refused = error(429, stream.refusal, "rate_limit_error")

@@ -152,7 +152,7 @@ class Decoder:
             if copier is None:
                 continue
             if (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens:
-                return draft, copier
+                return (draft, copier) if self.pacer is None or self.pacer.copy() else None
         return None
 
     def catch_up(self) -> Iterator[int]:
@@ -195,7 +195,9 @@ class Decoder:
         self.target.trim(common_prefix(self.target.tokens, self.context))
         if drafter is not None:
             drafter.rollback(self.context)
-        if pacer is not None and self.stats.rounds > 1 and free is None:
+        if pacer is not None and free is not None:
+            pacer.record_copy(time.perf_counter() - start, len(round_.tokens))
+        elif pacer is not None and self.stats.rounds > 1:
             # A try of the draft model pays its catch-up over the conversation first (about 0.5 s
             # after 2,000 tokens, more than a round): that round's figure counts it.
             seconds = time.perf_counter() - start + (self._unpaid if spec else 0.0)

@@ -206,6 +206,10 @@ def _over_contexts(context: int, measured: tuple[tuple[int, float], ...]) -> flo
     return float(np.interp(context, (0, *contexts), (0.0, *values)))
 
 
+# What a pacer measures: rounds with the draft model (True), plain steps (False), copies (COPY).
+COPY = "copy"
+Kind = bool | str
+
 # The most acceptance a round may need before the draft model is never run: the draft's agreement
 # with the target on code, teacher-forced on held-out answers (docs/benchmarks.md, "A layer-pruned
 # draft"). Above it every try measured lost time (an AVX2 CPU; docs/benchmarks.md, "An AVX2 machine").
@@ -237,36 +241,46 @@ class Pacer:
 
     A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
-    has been cheaper from its first round (where that is the draft model, it probes plain steps
-    only every :attr:`MAX_INTERVAL` rounds, as they cost most there); with no memory it tries the
+    has been cheaper from its first round and probes the other only every :attr:`MAX_INTERVAL`
+    rounds (a probe costs most there: a plain step on code, the draft's catch-up on prose, 5% of
+    a prose answer at every 8 rounds, 2026-11-25, AVX-512); with no memory it tries the
     draft model, then one plain step to compare. It runs the cheaper kind and the other once after
     ``interval`` rounds, as acceptance changes along an answer and costs grow with the context. A
-    probe weighs :attr:`PROBE_WEIGHT` against its kind's stale figure; one that confirms the order
+    probe is one more round of its kind in the running mean; one that confirms the order
     doubles the interval (up to :attr:`MAX_INTERVAL`), one that reverses it, or alone beat the
     preferred kind, starts it over. A probe of the draft model is
     skipped while even a round that kept every drafted token would not beat a plain step.
     Which kind runs changes the passes only: every token follows the target's rule, so greedy
     output is the same and sampled output keeps its distribution."""
 
-    # How far one round moves its kind's averages. A speculative round keeps 1 to K + 1 tokens: at
-    # 0.3 a few unlucky rounds on code where the draft model paid 1.45x turned a request to plain
-    # steps (2026-11-25, AVX-512: best 4% behind sd on the coding set); at 0.1 it takes about ten.
+    # How far one round moves its kind's averages: a running mean over the request's rounds of that
+    # kind, what the server measured before counting as PRIOR_ROUNDS of them, down to WEIGHT. Each
+    # request learns its own text fast (a prose answer where the draft model pays 1.2x, after
+    # others where it did not), and a long one is not swayed by a few unlucky rounds: a speculative
+    # round keeps 1 to K + 1 tokens, and a fixed weight of 0.3 turned requests on code, where the
+    # draft model paid 1.45x, to plain steps (2026-11-25, AVX-512: best 4% behind sd on coding).
+    PRIOR_ROUNDS = 2
     WEIGHT = 0.1
-    PROBE_WEIGHT = 0.3
     MEMORY_WEIGHT = 0.05  # the server's memory of a kind of text: the last twenty-odd rounds
     MIN_INTERVAL = 8
     MAX_INTERVAL = 32
 
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
-    memory: dict[bool, Figures] = field(default_factory=dict)  # True: rounds with the draft model
-    figures: dict[bool, Figures] = field(default_factory=dict)
+    # True: rounds with the draft model; False: plain steps; COPY: rounds that verified a copy
+    memory: dict[Kind, Figures] = field(default_factory=dict)
+    figures: dict[Kind, Figures] = field(default_factory=dict)
     streak: int = 0  # rounds of the cheaper kind since the last probe
     interval: int = MIN_INTERVAL
+    offers: int = 0  # copies offered while copies were the dearer kind
+    rounds: dict[Kind, int] = field(default_factory=dict)  # of each kind, in this request
 
     def __post_init__(self) -> None:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
-        if len(self.memory) == 2 and self._cheaper():  # the draft model has paid here: plain probes seldom
+        if self._both():  # the server knows which kind pays on this text: probes of the other seldom
             self.interval = self.MAX_INTERVAL
+
+    def _both(self) -> bool:
+        return True in self.figures and False in self.figures
 
     def _cheaper(self) -> bool:
         return self.figures[True].cost <= self.figures[False].cost
@@ -280,9 +294,23 @@ class Pacer:
         """What the kind of round this pacer prefers gains, in tokens per plain step's time: the
         draft model's measured pace where its rounds have been the cheaper kind, else 1 (plain
         steps). A copied draft must beat it to be worth its verify rows."""
-        if len(self.figures) < 2 or not self._cheaper():
+        if not self._both() or not self._cheaper():
             return 1.0
         return self.figures[False].cost / self.figures[True].cost
+
+    def copy(self) -> bool:
+        """Whether to verify a copy offered this round (priced worth its rows): where copies have
+        kept more tokens per second than the kind this pacer prefers, or are not measured yet;
+        else one offer in :attr:`MIN_INTERVAL`, to measure them again. Their price comes from
+        start-up timings of passes of one width each; what they really cost here (the widths
+        changing from round to round, the draft catching up after them) only rounds measure:
+        on code, where the draft model lands four tokens in five, copies cost `hybrid` 2% against
+        `speculative` (2026-11-25, AVX-512)."""
+        known = [self.figures[kind].cost for kind in (True, False) if kind in self.figures]
+        if COPY not in self.figures or not known or self.figures[COPY].cost <= min(known):
+            return True
+        self.offers += 1
+        return self.offers % self.MIN_INTERVAL == 0
 
     def speculate(self) -> bool:
         if True not in self.figures:  # not measured yet: try it
@@ -294,14 +322,15 @@ class Pacer:
         return not self._cheaper() and self._could_pay()  # a probe of the other kind
 
     def record(self, speculative: bool, seconds: float, tokens: int) -> None:
-        both = len(self.figures) == 2
+        both = self._both()
         order = self._cheaper() if both else None
         probe = both and speculative != order
         # A probe that alone beat the preferred kind's average is not a confirmation, even where it
         # did not yet move its own kind's average past it: the next probe comes soon.
         promising = probe and seconds / max(tokens, 1) < self.figures[not speculative].cost
-        self._move(self.figures, speculative, seconds, tokens, self.PROBE_WEIGHT if probe else self.WEIGHT)
-        self._move(self.memory, speculative, seconds, tokens, self.MEMORY_WEIGHT)
+        if promising:  # what changed may make the older rounds of its kind stale: it weighs as a first
+            self.rounds[speculative] = 0
+        self._measure(speculative, seconds, tokens)
         if not both:
             return
         if probe:
@@ -313,8 +342,17 @@ class Pacer:
         else:
             self.streak += 1
 
+    def record_copy(self, seconds: float, tokens: int) -> None:
+        """Count a round that verified a copy: ``seconds`` for ``tokens`` new tokens."""
+        self._measure(COPY, seconds, tokens)
+
+    def _measure(self, kind: Kind, seconds: float, tokens: int) -> None:
+        n = self.rounds[kind] = self.rounds.get(kind, 0) + 1
+        self._move(self.figures, kind, seconds, tokens, max(self.WEIGHT, 1 / (n + self.PRIOR_ROUNDS)))
+        self._move(self.memory, kind, seconds, tokens, self.MEMORY_WEIGHT)
+
     @staticmethod
-    def _move(figures: dict[bool, Figures], kind: bool, seconds: float, tokens: int, weight: float) -> None:
+    def _move(figures: dict[Kind, Figures], kind: Kind, seconds: float, tokens: int, weight: float) -> None:
         if kind in figures:
             figures[kind].move(seconds, tokens, weight)
         else:
@@ -328,7 +366,7 @@ class Pacing:
 
     def __init__(self, costs: PassCosts | None = None):
         self.costs = costs
-        self._memory: dict[bool, dict[bool, Figures]] = {False: {}, True: {}}
+        self._memory: dict[bool, dict[Kind, Figures]] = {False: {}, True: {}}
 
     @property
     def draft_model_may_pay(self) -> bool:

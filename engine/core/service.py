@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -192,35 +193,37 @@ class Engine:
         return prompt
 
     def prompt_ids(self, request: Request) -> list[int]:
-        """The request's prompt, refused above ``max_input_tokens`` (checked on characters first,
-        so a multi-megabyte paste is never tokenized)."""
+        """The request's prompt, refused above ``max_input_tokens`` or its client's own cap
+        (checked on characters first, so a multi-megabyte paste is never tokenized)."""
+        cap = min(self.max_input_tokens, self._clients.limits.input_cap(request.client) or self.max_input_tokens)
         if request.prompt_ids:
             ids = list(request.prompt_ids)
         else:
             if not request.messages or not str(request.messages[-1].get("content", "")).strip():
                 raise EngineError("the message is empty: type something first")
             characters = sum(len(m["content"]) for m in request.messages)
-            if characters > self.max_input_tokens * MAX_CHARS_PER_TOKEN:
-                raise self._too_long(f"{characters:,} characters")
+            if characters > cap * MAX_CHARS_PER_TOKEN:
+                raise self._too_long(f"{characters:,} characters", cap)
             with self._tokenizing:
                 ids = chat.prompt_ids(self.tokenizer, request.messages)
-        if len(ids) > self.max_input_tokens:
-            raise self._too_long(f"{len(ids):,} tokens")
+        if len(ids) > cap:
+            raise self._too_long(f"{len(ids):,} tokens", cap)
         if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
             raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
         if len(ids) + len(request.answer_ids) >= self.max_context:  # (an answer may grow past the input cap)
             raise EngineError(f"the answer fills the model's context ({self.max_context:,} tokens): it cannot go on")
         return ids + list(request.answer_ids)
 
-    def _too_long(self, length: str) -> EngineError:
-        bound = (
-            f"its memory limit of {gigabytes(self.budget.limit)} holds {self.budget.tokens:,} tokens of cache"
-            if self.max_input_tokens + MIN_ANSWER_ROOM >= self.budget.tokens
-            else f"the model's context holds {self.max_context:,}"
-        )
+    def _too_long(self, length: str, cap: int) -> EngineError:
+        if cap < self.max_input_tokens:
+            bound = "for a visitor who is not logged in on this shared server"
+        elif self.max_input_tokens + MIN_ANSWER_ROOM >= self.budget.tokens:
+            bound = f"its memory limit of {gigabytes(self.budget.limit)} holds {self.budget.tokens:,} tokens of cache"
+        else:
+            bound = f"the model's context holds {self.max_context:,}"
         return EngineError(
-            f"the conversation is {length} long; this server takes at most {self.max_input_tokens:,} tokens of "
-            f"input ({bound}). Shorten the message or clear the chat."
+            f"the conversation is {length} long; this server takes at most {cap:,} tokens of input ({bound}). "
+            f"Shorten the message or clear the chat."
         )
 
     def text(self, token_ids: list[int]) -> str:
@@ -230,6 +233,9 @@ class Engine:
     def generate(self, request: Request) -> Stream:
         """Stream the events of one request (see :class:`Stream` for how to stop it). A request
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
+        request = replace(
+            request, max_new_tokens=self._clients.limits.answer_cap(request.client, request.max_new_tokens)
+        )
         try:
             prompt = self.check(request)
             self._clients.admit(request.client)

@@ -1,7 +1,7 @@
 """Fair turns between clients: who waits for the engine, and in what order they start.
 
-Every request names its client (a browser session, an API key or a caller's address; "" for a
-caller inside the process, such as the bench, which no limit applies to). Waiting requests queue in
+Every request names its client (a browser session or a logged-in user, an API key or a caller's
+address; "" for a caller inside the process, which no limit applies to). Waiting requests queue in
 one line per client, and the engine takes the lines in turn,
 one request each (round-robin), so a client with twenty requests waiting delays another client's
 first one by one request, not twenty. Per-client limits bound what one client may hold: requests
@@ -29,18 +29,54 @@ class ClientBusy(EngineError):
     retry_after = RETRY_AFTER_S
 
 
+# How a client is named, by where it asks from. A browser session and a caller's address are
+# strangers on a shared server: nothing says who they are. A logged-in user and an API key are known.
+PAGE, USER, KEY, ADDRESS = "page:", "user:", "key:", "ip:"
+
+
+def stranger(client: str) -> bool:
+    """Whether ``client`` is anonymous: a browser session without a login, or an API caller
+    without a key (known only by their address)."""
+    return client.startswith((PAGE, ADDRESS))
+
+
 @dataclass(frozen=True)
 class ClientLimits:
     """What one client may hold (0: no limit): requests running at once, and requests waiting or
-    running. A local server for one person sets none; a shared link sets both."""
+    running; and, for a stranger (:func:`stranger`), the longest conversation and the longest
+    answer. A local server for one person sets none; a shared link sets them all."""
 
     running: int = 0
     pending: int = 0
+    stranger_input_tokens: int = 0
+    stranger_answer_tokens: int = 0
+
+    def input_cap(self, client: str) -> int:
+        """The longest conversation ``client`` may send, in tokens (0: the server's own cap)."""
+        return self.stranger_input_tokens if stranger(client) else 0
+
+    def answer_cap(self, client: str, asked: int) -> int:
+        """The answer length ``client`` gets for ``asked`` tokens."""
+        cap = self.stranger_answer_tokens if stranger(client) else 0
+        return min(asked, cap) if cap else asked
+
+    def describe(self) -> str:
+        """The limits, for a page's visitors ("" where there are none)."""
+        each = [f"{self.running} answers at once" if self.running else ""]
+        each.append(f"{self.pending} waiting or running" if self.pending else "")
+        strangers = [f"messages up to {self.stranger_input_tokens:,} tokens" if self.stranger_input_tokens else ""]
+        strangers.append(f"answers up to {self.stranger_answer_tokens:,} tokens" if self.stranger_answer_tokens else "")
+        said = [" and ".join(s for s in each if s), " and ".join(s for s in strangers if s)]
+        if said[1]:
+            said[1] = f"without a login, {said[1]}"
+        return "; ".join(s for s in said if s)
 
 
 NO_LIMITS = ClientLimits()
-# A shared link's: two requests at once per client (two tabs of one browser), four waiting or running.
-PUBLIC_LIMITS = ClientLimits(running=2, pending=4)
+# A shared link's: two requests at once per client (two tabs of one browser), four waiting or
+# running; a stranger's conversation up to 4,096 tokens (about 25 s to read on a 2-core machine)
+# and answers up to 1,024 tokens.
+PUBLIC_LIMITS = ClientLimits(running=2, pending=4, stranger_input_tokens=4096, stranger_answer_tokens=1024)
 
 
 class ClientLedger:

@@ -166,6 +166,16 @@ def test_two_concurrent_clients_each_get_their_own_answer(url):
     assert together == alone
 
 
+def test_the_page_names_each_browser_session_as_a_client_of_its_own(url, caplog):
+    """Turns, limits and n-gram pools are per client: each browser session is one (a request's log
+    line names it)."""
+    with caplog.at_level("INFO", logger="specchat.engine"):
+        for _ in range(2):
+            ask(Client(url, verbose=False), "def add(a, b):", max_new_tokens=4)
+    clients = {r.args[1] for r in caplog.records if r.msg.startswith("request %s from %s")}
+    assert len(clients) == 2 and all(c.startswith("page:") for c in clients)
+
+
 # -- bad input and failures -------------------------------------------------------------------
 def test_empty_message_shows_an_error_and_the_app_keeps_answering(client):
     failed = ask(client, "   ").outputs()[-1]

@@ -3,6 +3,7 @@ are prepared (or could not be), uploads, the command line's flags."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,6 +15,7 @@ from gradio_client import Client
 import app
 from engine.api.openai import build_router
 from engine.cli import free_port
+from engine.core.turns import NO_LIMITS, PUBLIC_LIMITS
 from engine.errors import PrepareError
 from engine.loading import Loading
 from tests.ui.served import GREEDY, ask, last_answer, serve
@@ -21,6 +23,16 @@ from ui import page
 from ui.launch import launch, launch_warnings, parse_auth
 from ui.page import build_app
 from ui.render import status_html
+
+
+def test_the_page_states_the_limits_a_shared_server_sets_and_a_private_one_none(engine):
+    said = "This shared server allows each visitor 2 answers at once"
+    assert said in json.dumps(build_app(engine, limits=PUBLIC_LIMITS).config)
+    assert "This shared server" not in json.dumps(build_app(engine).config)
+    args = app.parse_args(["--host", "0.0.0.0"])
+    assert args.client_limits == PUBLIC_LIMITS and not args.shared_pool
+    args = app.parse_args([])
+    assert args.client_limits == NO_LIMITS and args.shared_pool
 
 
 def test_wrong_password_is_refused_and_every_route_needs_the_login(engine):
