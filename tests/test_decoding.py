@@ -404,7 +404,8 @@ def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and
     kinds = paced_kinds(Pacer(), 200, lambda spec: (0.3 if spec else 0.1, 1))  # speculation three times dearer
     assert kinds[:3] == [True, False, False]  # a try, a plain step to compare, then the cheaper
     plain_between_probes = np.diff([i for i, k in enumerate(kinds) if k]) - 1
-    assert list(plain_between_probes[:3]) == [9, 16, 32] and set(plain_between_probes[3:]) == {Pacer.MAX_INTERVAL}
+    assert list(plain_between_probes[:4]) == [9, 16, 32, 64]
+    assert set(plain_between_probes[4:]) == {Pacer.MAX_SPECULATIVE_INTERVAL}  # (a probe of the draft model costs most)
 
 
 def test_the_pacer_comes_back_to_speculation_when_it_pays_again():

@@ -242,14 +242,13 @@ class Pacer:
     A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
     has been cheaper from its first round and probes the other only every :attr:`MAX_INTERVAL`
-    rounds (a probe costs most there: a plain step on code, the draft's catch-up on prose, 5% of
-    a prose answer at every 8 rounds, 2026-11-25, AVX-512); with no memory it tries the
-    draft model, then one plain step to compare. It runs the cheaper kind and the other once after
-    ``interval`` rounds, as acceptance changes along an answer and costs grow with the context. A
-    probe is one more round of its kind in the running mean; one that confirms the order
-    doubles the interval (up to :attr:`MAX_INTERVAL`), one that reverses it, or alone beat the
-    preferred kind, starts it over. A probe of the draft model is
-    skipped while even a round that kept every drafted token would not beat a plain step.
+    rounds (:attr:`MAX_SPECULATIVE_INTERVAL` for the draft model, its probes dearer); with no
+    memory it tries the draft model, then one plain step to compare. It runs the cheaper kind and
+    the other once after ``interval`` rounds, as acceptance changes along an answer and costs grow
+    with the context. A probe is one more round of its kind in the running mean; one that confirms
+    the order doubles the interval (up to :meth:`_longest`), one that reverses it, or alone beat
+    the preferred kind, starts it over. A probe of the draft model is skipped while even a round
+    that kept every drafted token would not beat a plain step.
     Which kind runs changes the passes only: every token follows the target's rule, so greedy
     output is the same and sampled output keeps its distribution."""
 
@@ -264,6 +263,11 @@ class Pacer:
     MEMORY_WEIGHT = 0.05  # the server's memory of a kind of text: the last twenty-odd rounds
     MIN_INTERVAL = 8
     MAX_INTERVAL = 32
+    # A probe of the draft model where plain steps pay costs about 2.2 plain steps (its catch-up
+    # over the tokens it missed, four draft steps, a verify and the reshapes after it, for 1-2
+    # tokens on prose: 2026-11-25, AVX-512); a probe of a plain step where the draft model pays,
+    # about 0.3. So the draft model is probed at most half as often.
+    MAX_SPECULATIVE_INTERVAL = 2 * MAX_INTERVAL
 
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
     # True: rounds with the draft model; False: plain steps; COPY: rounds that verified a copy
@@ -277,7 +281,12 @@ class Pacer:
     def __post_init__(self) -> None:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
         if self._both():  # the server knows which kind pays on this text: probes of the other seldom
-            self.interval = self.MAX_INTERVAL
+            self.interval = self._longest()
+
+    def _longest(self) -> int:
+        """The longest interval between probes, by what a probe costs: of a plain step where the
+        draft model pays, of the draft model where plain steps do."""
+        return self.MAX_INTERVAL if self._cheaper() else self.MAX_SPECULATIVE_INTERVAL
 
     def _both(self) -> bool:
         return True in self.figures and False in self.figures
@@ -336,7 +345,7 @@ class Pacer:
         if probe:
             self.streak = 0
             confirmed = self._cheaper() == order and not promising
-            self.interval = min(2 * self.interval, self.MAX_INTERVAL) if confirmed else self.MIN_INTERVAL
+            self.interval = min(2 * self.interval, self._longest()) if confirmed else self.MIN_INTERVAL
         elif self._cheaper() != order:  # its own average says the other kind is cheaper now
             self.streak, self.interval = 0, self.MIN_INTERVAL
         else:

@@ -40,7 +40,9 @@ def test_the_flood_gets_refusals_and_its_share_and_takes_nothing_from_the_others
     """A greedy client, a slow reader, a disconnecting one and a huge-prompt one beside the normal
     users, on a server with a shared link's limits whose passes take 10 ms: each flood client gets
     what a shared link promises, every normal answer is intact, the engine ends idle and healthy."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=8, pacing=Pacing(), client_limits=PUBLIC_LIMITS)
+    engine = Engine(
+        ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=8, pacing=Pacing(), client_limits=PUBLIC_LIMITS
+    )
     slowed(monkeypatch, engine.target, 0.01)  # a greedy client's streams overlap
     monkeypatch.setattr(flood, "SLOW_READ_S", 3.0)
     demo = build_app(engine, limits=PUBLIC_LIMITS)

@@ -61,7 +61,10 @@ def open_app(browser):
 
 
 def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_path):
-    page = open_app(engine)
+    page = open_app(engine, viewport={"width": 1366, "height": 768})
+    for shown in ("#metrics", "#tps-plot", "#mode"):  # the live figures and the switch, without scrolling
+        box = page.locator(shown).bounding_box()
+        assert box is not None and box["y"] + box["height"] <= 768, shown
     set_cap(page, 64)  # two turns within the tiny model's input cap
     send(page, "def add(a, b):", "best")  # the default mode
     seen = page.evaluate("window.seen")
