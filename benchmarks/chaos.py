@@ -227,7 +227,9 @@ def run(
                 prompt = prompts[(i + r) % len(prompts)]
                 try:
                     text, took, m = answer(url, prompt, max_new_tokens, seconds)
-                    normal.record(text == solo[prompt], took, f"{prompt[:30]!r}: answer differs from its solo run")
+                    normal.record(
+                        text == solo[prompt], took, f"{prompt[:30]!r}: {text[:80]!r} differs from its solo run"
+                    )
                     figures.add(m)
                 except Exception as exc:  # a lost answer is a finding, not a crash of the run
                     normal.record(False, 0.0, f"{prompt[:30]!r}: {type(exc).__name__}: {exc}")
@@ -263,7 +265,12 @@ def run(
     health = Tally("engine at the end", "healthy, idle, answering as alone")
     from gradio_client import Client
 
-    state = Client(url, verbose=False).predict(api_name="/health")
+    health_api = Client(url, verbose=False)
+    state = health_api.predict(api_name="/health")
+    settle = time.monotonic() + 10  # (a dropped stream's request ends within a round)
+    while state["pending"] and time.monotonic() < settle:
+        time.sleep(0.2)
+        state = health_api.predict(api_name="/health")
     text, took, _ = answer(url, prompts[0], max_new_tokens, seconds)
     health.record(state["healthy"] and state["pending"] == 0 and text == solo[prompts[0]], took, f"health {state}")
     phases = [together.row("beside the misbehaving users" + (" and the flood" if flood else ""))]

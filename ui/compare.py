@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import html
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -157,8 +157,11 @@ def compare(
     settings = (k, temperature, top_p, max_new_tokens, seed)
     client = streaming.client_of(page)
     requests = {
-        side: streaming.make_request(
-            messages, mode, *settings, context=engine.max_context, reuse_cache=False, client=client
+        side: replace(
+            streaming.make_request(
+                messages, mode, *settings, context=engine.max_context, reuse_cache=False, client=client
+            ),
+            pooled=False,  # (the second side would copy the first's answer from the pool)
         )
         for side, mode in zip(SIDES, (left, right))
     }
@@ -244,6 +247,7 @@ def paper_table(engine: EngineClient, prompt, k, page: gr.Request | None = None)
                 temperature=0.0,
                 reuse_cache=False,
                 client=streaming.client_of(page),
+                pooled=False,
             )
             events = engine.generate(asked)
             try:

@@ -1,5 +1,6 @@
-"""The sidebar: the conversations kept in this browser, the decoding settings and the live
-metrics panel (its cards, the tokens/s plot and the figures as JSON)."""
+"""The sidebar: the live metrics panel (its cards, the tokens/s plot and the figures as JSON) and
+the decoding mode at its top, then the conversations kept in this browser and the sampling
+settings."""
 
 from __future__ import annotations
 
@@ -52,7 +53,29 @@ class Sidebar:
 def create_ui(engine: EngineClient) -> Sidebar:
     max_tokens = max(16, min(MAX_CAP, engine.max_context))
     with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
+        # What the app is for first: the live figures and the switch between the decoding modes,
+        # in view on a 1366x768 screen; the conversations and the sampling settings below.
         gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
+        metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
+        tps_plot = gr.LinePlot(
+            None,
+            x="time_s",
+            y="tokens_per_s",
+            color="series",
+            x_title="time (s)",
+            y_title="tokens/s",
+            title="tokens/s while streaming",
+            height=200,
+            elem_id="tps-plot",
+            color_map={"average": "#4f46e5", "this round": "#10b981"},
+        )
+        mode = gr.Radio(
+            list(engine.modes),
+            label="Decoding mode",
+            elem_id="mode",
+            value=engine.modes[0],
+            info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
+        )
         with gr.Accordion("Conversations", open=True):
             conversations = gr.Dropdown([], label="Open conversation", elem_id="conversations", filterable=False)
             with gr.Row():
@@ -64,48 +87,28 @@ def create_ui(engine: EngineClient) -> Sidebar:
                     "Import", size="sm", file_types=[".json", ".md"], type="filepath", elem_id="import"
                 )
             exported = gr.File(label="Exported (JSON, Markdown)", file_count="multiple", visible=False)
-        system = gr.Textbox(
-            "",
-            label="System prompt",
-            lines=2,
-            max_lines=8,
-            placeholder="Empty: the model's own default",
-            elem_id="system",
-        )
-        mode = gr.Radio(
-            list(engine.modes),
-            label="Decoding mode",
-            elem_id="mode",
-            value=engine.modes[0],
-            info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
-        )
-        k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
-        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
-        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
-        max_new_tokens = gr.Slider(
-            0,
-            max_tokens,
-            value=0,
-            step=8,
-            label="Max new tokens",
-            info="0 = until the model stops (within the context); a cut answer can be continued",
-            elem_id="max-new-tokens",
-        )
-        seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
-        gr.Markdown("### Live metrics")
-        metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
-        tps_plot = gr.LinePlot(
-            None,
-            x="time_s",
-            y="tokens_per_s",
-            color="series",
-            x_title="time (s)",
-            y_title="tokens/s",
-            title="tokens/s while streaming",
-            height=220,
-            elem_id="tps-plot",
-            color_map={"average": "#4f46e5", "this round": "#10b981"},
-        )
+        with gr.Accordion("Sampling and system prompt", open=True, elem_id="sampling"):
+            system = gr.Textbox(
+                "",
+                label="System prompt",
+                lines=2,
+                max_lines=8,
+                placeholder="Empty: the model's own default",
+                elem_id="system",
+            )
+            k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
+            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
+            top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+            max_new_tokens = gr.Slider(
+                0,
+                max_tokens,
+                value=0,
+                step=8,
+                label="Max new tokens",
+                info="0 = until the model stops (within the context); a cut answer can be continued",
+                elem_id="max-new-tokens",
+            )
+            seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
         with gr.Accordion("All metrics (JSON)", open=False):
             metrics_json = gr.JSON(label="metrics")
     return Sidebar(

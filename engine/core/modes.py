@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.core.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
+from engine.core.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter, Price
 from engine.core.runtime import Runtime
 
 # "adaptive": its draft model stops a round once its confidence in the token it drafted falls
@@ -36,10 +36,10 @@ COPY_WIDTHS = (LOOKUP_SPAN + 1,)
 class DrafterParts:
     """What the modes' drafters are made of, built once per engine and shared: every mode that
     drafts with the draft model uses the one draft runtime (one KV cache). ``price``: how many
-    of the tokens prompt lookup offers are worth verifying on this machine, at an acceptance and
-    a context length (``PassCosts.worth_copying``), for the mode that paces itself."""
+    of the tokens prompt lookup offers are worth verifying on this machine, at an acceptance, a
+    context length and a bar (``PassCosts.worth_copying``), for the mode that paces itself."""
 
-    def __init__(self, vocab_size: int, draft: Runtime | None, price: Callable[[int, float, int], int] | None = None):
+    def __init__(self, vocab_size: int, draft: Runtime | None, price: Price | None = None):
         self.vocab_size = vocab_size
         self.draft = draft
         self.price = price

@@ -44,6 +44,7 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
     client: str = ""  # who asks (a browser session, an API key or address): turns and limits are per client
+    pooled: bool = True  # False: neither drafts from nor adds to the client's n-gram pool (Compare's runs)
 
     def check(self, modes: Sequence[str], max_context: int) -> None:
         """Refuse what the engine must never see: unknown modes, numbers out of range or not

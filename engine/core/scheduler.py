@@ -345,7 +345,7 @@ class Scheduler:
         self._serving.remove(job)
         self._clients.done(job.client)
         metrics = job.stats.snapshot()
-        if job.decoder is not None and not error:
+        if job.decoder is not None and not error and job.request.pooled:
             self.pools.learn(job.client, job.decoder.context)
         if error:
             self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))
@@ -401,7 +401,7 @@ class Scheduler:
             progress=self._mark_progress,
             pacing=self.pacing if mode.paced else None,
             fence_ids=self.fence_ids,
-            pool=self.pools.of(request.client) if mode.paced else None,
+            pool=self.pools.of(request.client) if mode.paced and request.pooled else None,
         )
 
     def _mark_progress(self) -> None:

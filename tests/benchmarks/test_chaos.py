@@ -4,16 +4,18 @@ bounded, on loopback."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks import chaos, flood
 from engine.api.openai import build_router
 from engine.cli import free_port
 from engine.core.pacing import Pacing
-from engine.core.runtime import EXACT_CONFIG
+from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.core.turns import PUBLIC_LIMITS
-from tests.test_decoding import idle, slowed
+from tests.test_decoding import idle
 from tests.ui.served import serve
 from ui.launch import launch
 from ui.page import build_app
@@ -38,13 +40,15 @@ def test_a_chaos_run_leaves_every_normal_answer_intact(url):
 
 def test_the_flood_gets_refusals_and_its_share_and_takes_nothing_from_the_others(ir_target, ir_draft, monkeypatch):
     """A greedy client, a slow reader, a disconnecting one and a huge-prompt one beside the normal
-    users, on a server with a shared link's limits whose passes take 10 ms: each flood client gets
+    users, on a server with a shared link's limits whose passes take 10 ms more: each flood client gets
     what a shared link promises, every normal answer is intact, the engine ends idle and healthy."""
     engine = Engine(
         ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=8, pacing=Pacing(), client_limits=PUBLIC_LIMITS
     )
-    slowed(monkeypatch, engine.target, 0.01)  # a greedy client's streams overlap
+    forward = Runtime.forward  # every pass 10 ms slower (each session's runtimes too): the streams overlap
+    monkeypatch.setattr(Runtime, "forward", lambda self, *a, **kw: (time.sleep(0.01), forward(self, *a, **kw))[1])
     monkeypatch.setattr(flood, "SLOW_READ_S", 3.0)
+    monkeypatch.setattr(flood, "TOKENS", 64)  # (the tiny model's context holds 256)
     demo = build_app(engine, limits=PUBLIC_LIMITS)
     url = launch(demo, port=free_port(), block=False, api=build_router(engine, "tiny", {}, None, trust_proxy=True))
     try:

@@ -27,8 +27,8 @@ from ui.render import status_html
 
 def test_the_page_states_the_limits_a_shared_server_sets_and_a_private_one_none(engine):
     said = "This shared server allows each visitor 2 answers at once"
-    assert said in json.dumps(build_app(engine, limits=PUBLIC_LIMITS).config)
-    assert "This shared server" not in json.dumps(build_app(engine).config)
+    assert said in json.dumps(build_app(engine, limits=PUBLIC_LIMITS).config, default=str)
+    assert "This shared server" not in json.dumps(build_app(engine).config, default=str)
     args = app.parse_args(["--host", "0.0.0.0"])
     assert args.client_limits == PUBLIC_LIMITS and not args.shared_pool
     args = app.parse_args([])
