@@ -599,17 +599,21 @@ def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_d
     assert sum(dear) > 2
 
 
-def test_a_paced_round_runs_the_lookup_once_where_it_found_nothing(pair, monkeypatch):
-    """A paced round asks for a free draft first; where there is none and the draft model runs,
-    the hybrid does not search (and drift its acceptance) a second time in the same round."""
+@pytest.mark.parametrize("priced", [0, 2])
+def test_a_paced_round_runs_the_lookup_once_and_falls_to_the_model(pair, monkeypatch, priced):
+    """A paced round asks for a free draft first. Where there is none, or the pacer refuses the
+    copy (copies slower than this text's pace), and the draft model runs, the hybrid neither
+    searches a second time in the same round nor verifies the refused copy anyway."""
     target, model = pair
-    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=lambda offered, acceptance, context, bar: 0), model)
+    price = lambda offered, acceptance, context, bar: priced  # noqa: E731
+    hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=price), model)
     calls = []
     monkeypatch.setattr(hybrid.lookup, "lookup", lambda context, k: calls.append(len(context)) or [7, 8])
     context, params = [1, 2, 3, 1, 2], SamplingParams()
     model.runtime.reset()
-    assert not hybrid.free(context, 2, params).tokens
-    assert hybrid.propose(context, 2, params, np.random.default_rng(0)).tokens and calls == [5]
+    assert len(hybrid.free(context, 2, params).tokens) == priced
+    proposal = hybrid.propose(context, 2, params, np.random.default_rng(0))
+    assert proposal.tokens and list(model.runtime.tokens[:5]) == context and calls == [5]  # the model's
     hybrid.rollback(context)
     hybrid.propose(context, 2, params, np.random.default_rng(0))
     assert calls == [5, 5]  # a new round searches again

@@ -4,21 +4,24 @@ tiny pair with the engine's worker held while requests arrive."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine.api.openai import build_router
+from engine.core import scheduler as scheduler_module
 from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
-from engine.core.turns import PUBLIC_LIMITS, RETRY_AFTER_S, ClientLimits, FairQueue
+from engine.core.turns import PUBLIC_LIMITS, RETRY_AFTER_S, ClientLimits, FairQueue, TimeShare
 
 
 def test_the_lines_are_taken_in_turn_one_request_per_client():
@@ -37,6 +40,34 @@ def test_a_request_put_back_keeps_its_turn_and_a_client_at_its_limit_is_passed_o
     queue.put_back(first)
     assert queue.take(lambda client: client != "a") == "b1"
     assert [queue.take(), queue.take()] == ["a1", "a2"]
+
+
+def test_requests_cancelled_while_waiting_leave_the_line_and_the_others_keep_their_turns():
+    queue: FairQueue[str] = FairQueue(lambda item: item[0])
+    for item in ["a1", "a2", "b1", "a3"]:
+        queue.put(item)
+    assert queue.drop(lambda item: item in ("a1", "a3")) == ["a1", "a3"] and len(queue) == 2
+    assert [queue.take(), queue.take(), queue.take()] == ["a2", "b1", None]
+
+
+def test_side_work_gets_a_client_s_share_of_the_time_and_never_a_burst():
+    """With three clients generating together and one reading a long prompt, the reader gets a
+    quarter of the time: a slice of 0.3 s after a full second of the others' steps."""
+    share = TimeShare(most_s=0.4)
+    share.shared(0.1, sharing=3, waiting=1)
+    assert share.allows()
+    share.spend(0.3)  # a slice overruns what was earned; the others' steps pay it back
+    steps = 0
+    while not share.allows():
+        share.shared(0.1, sharing=3, waiting=1)
+        steps += 1
+    assert steps == 9  # 0.9 s of shared work for 0.3 s of side work: a quarter of the time
+    for _ in range(100):  # a long while with nothing on the side saves no more than one slice
+        share.shared(0.1, sharing=3, waiting=1)
+    assert share.credit == pytest.approx(0.4)
+    share.spend(1.0)
+    share.idle()  # nobody generating: side work owes nothing
+    assert not share.allows() and share.credit == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +121,37 @@ def test_a_client_over_its_limit_is_refused_for_now_and_nobody_else_is(shared_en
     assert next(e for e in again if e.final).kind == "done"
 
 
+def test_a_request_cancelled_while_it_waits_ends_at_once_and_frees_its_clients_place(shared_engine, monkeypatch):
+    """A client that drops a waiting stream (a closed tab, a dropped connection) may ask again at
+    once: the request leaves the line at the worker's next iteration, not when its turn comes."""
+    ended: list[int] = []  # the requests' last prompt ids, in the order they ended
+    put = shared_engine.scheduler._put
+    monkeypatch.setattr(
+        shared_engine.scheduler,
+        "_put",
+        lambda job, e: (e.final and ended.append(job.request.prompt_ids[-1])) or put(job, e),
+    )
+    with held(shared_engine):
+        running = shared_engine.generate(replace(ask("dropper", 0), max_new_tokens=200))
+        dropped = shared_engine.generate(ask("dropper", 1))
+        dropped.cancel()
+    assert next(e for e in dropped if e.final).metrics["finish_reason"] == "cancelled"
+    again = shared_engine.generate(ask("dropper", 2))  # (two waiting or running: its limit)
+    assert not again.refusal
+    assert [next(e for e in s if e.final).kind for s in (running, again)] == ["done", "done"]
+    assert ended == [1, 0, 2]  # the dropped one ended while the first was still answering
+
+
+def test_a_clients_second_request_at_once_takes_only_a_spare_place(ir_target, ir_draft):
+    """With per-client limits, places are kept for clients with nothing running: a client's second
+    request starts only while more than two of four are free, never beside three other clients."""
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, client_limits=ClientLimits(2, 4))
+    with held(engine):
+        streams = [engine.generate(ask(client, n)) for n, client in enumerate(["a", "a", "b", "c"])]
+    peaks = [next(e for e in s if e.final).metrics["peak_sharing"] for s in streams]
+    assert peaks[0] == peaks[2] == peaks[3] == 3 and peaks[1] <= 2
+
+
 def test_the_api_names_its_client_by_key_or_address_and_answers_a_busy_one_with_retry_after(shared_engine):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     key = "k"
@@ -129,3 +191,40 @@ def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir
         "2 answers at once and 4 waiting or running; without a login, messages up to 4,096 tokens and answers "
         "up to 1,024 tokens"
     )
+
+
+def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target, monkeypatch):
+    """While one user's answer streams, another's 3,000-token paste is read in narrow passes,
+    at most one between two of the answer's tokens (the reader's share of the time): the answer
+    ends long before the reading does, and both equal their solo runs."""
+    monkeypatch.setattr(scheduler_module, "SLICE_S", 1e-4)  # the narrowest slices, and no credit saved
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2)
+    rng = np.random.default_rng(3)
+    chat = Request(
+        prompt_ids=tuple(rng.integers(10, 300, 40).tolist()), mode="autoregressive", max_new_tokens=48, client="chat"
+    )
+    paste = Request(
+        prompt_ids=tuple(rng.integers(10, 300, 3000).tolist()), mode="autoregressive", max_new_tokens=2, client="paste"
+    )
+    chat, paste = (replace(r, reuse_cache=False) for r in (chat, paste))  # (read from the start each time)
+    solo = [engine.run(r).token_ids for r in (chat, paste)]
+    seen: list[tuple[str, str, int]] = []  # (client, event, prompt read) in the worker's order
+    put = engine.scheduler._put
+    monkeypatch.setattr(
+        engine.scheduler,
+        "_put",
+        lambda job, event: (
+            seen.append((job.client, event.kind, event.metrics.get("prompt_read", 0))) or put(job, event)
+        ),
+    )
+    with held(engine):
+        streams = [engine.generate(r) for r in (chat, paste)]
+    assert [next(e for e in s if e.final).token_ids for s in streams] == solo
+    chat_done = seen.index(("chat", "done", len(chat.prompt_ids)))
+    while_chatting = [e for e in seen[:chat_done] if e[0] == "paste"]
+    assert while_chatting and all(kind == "progress" for _, kind, _ in while_chatting)
+    read = [r for _, _, r in while_chatting]
+    assert {b - a for a, b in itertools.pairwise(read)} == {scheduler_module.SLICE_ROUND}
+    assert read[-1] < len(paste.prompt_ids) // 2  # the rest once the answer has ended
+    runs = "".join("c" if client == "chat" else "p" for client, _, _ in seen[:chat_done])
+    assert "pp" not in runs.lstrip("p")  # after the answer's first token, never two slices in a row

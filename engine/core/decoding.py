@@ -96,6 +96,7 @@ class Decoder:
         self.rng = np.random.default_rng(config.sampling.seed)
         self.context = list(prompt)
         self.done = False
+        self.prefill_chunk = PREFILL_CHUNK  # the next prefill pass's width (a scheduler may narrow it)
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
         self._unpaid = 0.0  # seconds of the draft's catch-up that no pacer figure has counted yet
         stats.prompt_tokens = len(prompt)
@@ -111,7 +112,7 @@ class Decoder:
         """The prompt's passes but the last (which gives the first token's logits), in chunks;
         yields the prompt tokens read after each, so a caller can show progress and stop between
         them."""
-        passes = self.target.feed(self.context, PREFILL_CHUNK)
+        passes = self.target.feed(self.context, lambda: self.prefill_chunk)
         while True:
             start, before = time.perf_counter(), self.target.passes
             read = next(passes, None)
@@ -122,6 +123,11 @@ class Decoder:
                 return
             self.stats.prompt_read = read
             yield read
+
+    @property
+    def unread(self) -> int:
+        """Prompt tokens not yet in the target's cache (all but the last are read by prefill)."""
+        return len(self.context) - self.stats.prompt_read
 
     def room(self) -> int:
         """Drafted tokens that fit in this round (the budget and the context); marks the request

@@ -327,20 +327,20 @@ class HybridDrafter:
         self.lookup = lookup
         self.model = model
         self._model_proposed = False  # who made the last proposal: the verdict is for them
-        self._nothing_free_at: int | None = None  # this round's context length, where free() found nothing
+        self._free_asked_at: int | None = None  # this round's context length, where free() was asked
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        # (a paced round asks free() first: where it found nothing, the lookup is not run twice)
-        known_empty = self._nothing_free_at == len(context)
-        draft = Draft([], None, 0.0) if known_empty else self.free(context, k, params)
+        # A paced round asks free() first; if it proposes after that, the copy found nothing or
+        # the pacer refused it (copies slower than this text's pace): the model's turn either way.
+        asked = self._free_asked_at == len(context)
+        draft = Draft([], None, 0.0) if asked else self.free(context, k, params)
         self._model_proposed = not draft.tokens
         return self.model.propose(context, k, params, rng) if self._model_proposed else draft
 
     def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         self._model_proposed = False
-        draft = self.lookup.free(context, k, params, bar)
-        self._nothing_free_at = None if draft.tokens else len(context)
-        return draft
+        self._free_asked_at = len(context)
+        return self.lookup.free(context, k, params, bar)
 
     def observe(self, drafted: int, accepted: int) -> None:
         (self.model if self._model_proposed else self.lookup).observe(drafted, accepted)
@@ -349,7 +349,7 @@ class HybridDrafter:
         return self.model.catch_up(context, chunk)
 
     def rollback(self, accepted: Sequence[int]) -> None:
-        self._nothing_free_at = None  # (the round is over)
+        self._free_asked_at = None  # (the round is over)
         self.model.rollback(accepted)
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -256,15 +256,17 @@ class Runtime:
         self.passes += 1
         return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
 
-    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[int]:
+    def feed(self, tokens: Sequence[int], chunk: int | Callable[[], int]) -> Iterator[int]:
         """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
         ``chunk`` tokens (after trimming it to the prefix it shares with them); yield how many
         tokens it holds after each pass, so a caller can report progress and stop between them.
         A pass's memory grows with its width times the context (the attention scores), so no
-        pass is wider than ``chunk``."""
+        pass is wider than ``chunk``: a number, or asked before each pass (a scheduler sizes a
+        pass to the time it can give it)."""
+        width: Callable[[], int] = chunk if callable(chunk) else (lambda: chunk)
         self.trim(common_prefix(self.tokens, tokens))
-        while len(tokens) - len(self.tokens) > chunk:
-            self.forward(tokens[len(self.tokens) : len(self.tokens) + chunk])
+        while len(tokens) - len(self.tokens) > (size := width()):
+            self.forward(tokens[len(self.tokens) : len(self.tokens) + size])
             yield len(self.tokens)
 
     def sync(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:

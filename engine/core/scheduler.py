@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.core import decoding
 from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
@@ -30,13 +31,24 @@ from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import Session, SessionPool
 from engine.core.textstream import IncrementalDecoder, StopStrings
-from engine.core.turns import ClientLedger, FairQueue
+from engine.core.turns import ClientLedger, FairQueue, TimeShare
 from engine.errors import EngineError
 
 T = TypeVar("T")
 # Requests served together; more wait in the queue. On this machine a batched step over 8 rows
 # costs 1.4x a single row's (docs/design.md, "Batching").
 MAX_BATCH = 8
+# A batched step's attention runs over its widest row (the others padded): a row joins only while
+# the batch stays within twice its shortest row plus this many tokens; a longer one runs alone, in
+# its share of the time, so one long conversation does not make everyone's steps as slow as its own.
+BATCH_SPREAD = 512
+# While others generate, a long prompt is read in passes of about this long, in its client's share
+# of the time (turns.TimeShare): no one's next token waits behind a two-second prefill chunk.
+SLICE_S = 0.4
+SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (the first of a prompt: one)
+# With per-client limits, a client's second request at once starts only while more than this many
+# places are free: they are kept for clients with nothing running.
+RESERVED = 2
 log = logging.getLogger("specchat.engine")
 
 
@@ -55,6 +67,7 @@ class _Job:
     detok: IncrementalDecoder | None = None
     stops: StopStrings | None = None
     out: list[int] = field(default_factory=list)
+    side_s: float = 0.0  # seconds of the worker it had to itself while others generated
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
@@ -64,6 +77,11 @@ class _Job:
     @property
     def client(self) -> str:
         return self.request.client
+
+    @property
+    def unread(self) -> int:
+        """Prompt tokens not yet in the target's cache."""
+        return 0 if self.decoder is None else self.decoder.unread
 
 
 class Scheduler:
@@ -103,6 +121,7 @@ class Scheduler:
         self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
         self._waiting: FairQueue[_Job] = FairQueue(lambda job: job.client)  # in line (worker thread only)
         self._clients = clients
+        self._share = TimeShare(most_s=SLICE_S)
         self._busy = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
@@ -160,12 +179,22 @@ class Scheduler:
         """Put what arrived in line (waiting for something when idle) and run the queued tool jobs
         (:meth:`call`); then start waiting requests while there is room, taking the
         clients' lines in turn (:mod:`engine.core.turns`), each within its client's running limit
-        and the memory budget. One that does not fit keeps its turn."""
+        and the memory budget (a client's second request at once only while places are spare). One
+        that does not fit keeps its turn; one cancelled while it waited ends at once."""
         self._collect(block=not self._serving and not self._waiting)
+        for dropped in self._waiting.drop(lambda j: j.cancel.is_set()):  # (its client's count falls now)
+            self._finish(dropped, "cancelled")
         running = collections.Counter(job.client for job in self._serving)
         limit = self._clients.limits.running
+
+        def eligible(client: str) -> bool:
+            if not (limit and client):
+                return True
+            spare = self.max_batch - len(self._serving) > RESERVED
+            return running[client] < limit and (running[client] == 0 or spare)
+
         while len(self._serving) < self.max_batch:
-            job = self._waiting.take(lambda client: not (limit and client) or running[client] < limit)
+            job = self._waiting.take(eligible)
             if job is None:
                 return
             if not self._room_for(job):
@@ -243,38 +272,78 @@ class Scheduler:
 
     def _batchable(self, jobs: list[_Job]) -> list[_Job]:
         """The generating requests whose rows fit the budget together, padded to the longest row:
-        the shortest first. A row a thousand times longer than the others would otherwise make
-        each of them that long."""
+        the shortest first, within :data:`BATCH_SPREAD`. A row a thousand times longer than the
+        others would otherwise make each of them that long, in memory and in time."""
         members = [j.session for j in jobs]
         others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
         room = self.budget.room - self.budget.bytes_held(others)
         chosen: list[_Job] = []
         for job in sorted(jobs, key=lambda j: len(j.decoder.context)):  # type: ignore[union-attr]
             width = len(job.decoder.context)  # type: ignore[union-attr]
+            shortest = len(chosen[0].decoder.context) if chosen else width  # type: ignore[union-attr]
             if (len(chosen) + 1) * self.budget.bytes_held(width * self.target.kv_bytes_per_token) > room:
+                break
+            if width > 2 * shortest + BATCH_SPREAD:
                 break
             chosen.append(job)
         return chosen if len(chosen) > 1 else []
 
     def _advance(self) -> None:
-        """One iteration: the prompts waiting to be read, up to the first that needs a prefill
-        chunk of its own (a long one: that chunk is the iteration's prefill), then one round of
-        every request that is generating (together when there are several). Short prompts
-        arriving together so start together, their prefills in one iteration, instead of one
-        iteration each: the last of four no longer waits for three rounds of the others."""
-        for job in [j for j in self._serving if j.prefill is not None]:
+        """One iteration. Prompts with no chunk of their own to read are taken up at once (their
+        rest is read by their first round). Then the shared work: one batched step of the
+        requests that generate together, or, where none batch, a round of each. Then side work,
+        each piece serving one client: a slice of a long prompt, a round of a row that does not
+        batch; while others generate it runs in its clients' share of the time (:class:`TimeShare`),
+        the least served first, so one stranger's paste slows everyone else by a client's share,
+        not by its whole reading. Short prompts arriving together so start together, in one
+        batched step."""
+        for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
             self._guard([job], functools.partial(self._read_prompt, job))
-            if job.prefill is not None:
-                break
         generating = [j for j in self._serving if j.prefill is None]
         together = self._batchable(generating) if len(generating) > 1 else []
-        if together:
-            self._guard(together, lambda: self._together(together))
-        for job in [j for j in generating if j not in together and j in self._serving]:
+        first = [j for j in generating if j not in together and j.stats.rounds == 0]  # what its user waits for
+        apart = [j for j in generating if j not in together and j not in first]
+        shared = [together] if together else [[j] for j in apart]
+        side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
+        start = time.perf_counter()
+        for job in first:
             self._guard([job], functools.partial(self._alone, job))
+        for jobs in shared:
+            work = functools.partial(self._together, jobs) if len(jobs) > 1 else functools.partial(self._alone, jobs[0])
+            self._guard(jobs, work)
+        served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
+        if served:
+            self._share.shared(time.perf_counter() - start, len(served), len({j.client for j in side}))
+        else:
+            self._share.idle()
+        for job in sorted(side, key=lambda j: j.side_s):
+            if served and not self._share.allows():
+                return
+            if job not in self._serving:
+                continue
+            start = time.perf_counter()
+            if job.prefill is not None:
+                self._guard([job], functools.partial(self._read_prompt, job, sliced=bool(served)))
+            else:
+                self._guard([job], functools.partial(self._alone, job))
+            job.side_s += time.perf_counter() - start
+            if served:  # (alone, it owes no one)
+                self._share.spend(time.perf_counter() - start)
 
-    def _read_prompt(self, job: _Job) -> None:
+    def _read_prompt(self, job: _Job, sliced: bool = False) -> None:
+        """A pass of ``job``'s prompt: a whole chunk, or (``sliced``, while others generate) one
+        sized to take about :data:`SLICE_S` at the rate its last passes read."""
         assert job.prefill is not None and job.decoder is not None
+        if sliced:
+            rate = (
+                (job.stats.prompt_read - job.stats.cached_tokens) / job.stats.prefill_seconds
+                if job.stats.prefill_seconds
+                else 0.0
+            )
+            width = int(rate * SLICE_S) // SLICE_ROUND * SLICE_ROUND
+            job.decoder.prefill_chunk = min(decoding.PREFILL_CHUNK, max(SLICE_ROUND, width))
+        else:
+            job.decoder.prefill_chunk = decoding.PREFILL_CHUNK
         if next(job.prefill, None) is None:
             job.prefill = None
             job.decoder.room()
@@ -342,7 +411,8 @@ class Scheduler:
         if job.key in self._batch:
             self._batch.leave(job.key, write_back=not error)
         job.stats.finish_reason = reason
-        self._serving.remove(job)
+        if job in self._serving:  # (else it ended while it waited)
+            self._serving.remove(job)
         self._clients.done(job.client)
         metrics = job.stats.snapshot()
         if job.decoder is not None and not error and job.request.pooled:

@@ -128,6 +128,16 @@ class FairQueue(Generic[T]):
         self._lines = {client: line, **self._lines}
         self.size += 1
 
+    def drop(self, unwanted: Callable[[T], bool]) -> list[T]:
+        """Remove and return every waiting item that is ``unwanted`` (a request cancelled while it
+        waited: its client's count must not wait for its turn to fall)."""
+        dropped = [item for line in self._lines.values() for item in line if unwanted(item)]
+        if dropped:
+            lines = {client: deque(i for i in line if not unwanted(i)) for client, line in self._lines.items()}
+            self._lines = {client: line for client, line in lines.items() if line}
+            self.size -= len(dropped)
+        return dropped
+
     def take(self, eligible: Callable[[str], bool] = lambda client: True) -> T | None:
         """The head of the next eligible client's line; that client goes to the end of the turn."""
         for client in self._lines:
@@ -139,3 +149,32 @@ class FairQueue(Generic[T]):
                 self.size -= 1
                 return item
         return None
+
+
+class TimeShare:
+    """The worker's time between the work every generating client shares (one batched step, or
+    each one's round when none batch) and side work that serves one client while the others
+    wait: a slice of a long prompt's reading, the round of a row too long to batch. With ``n``
+    clients in the shared work and ``m`` with side work, side work gets ``m / (n + m)`` of the
+    time: what those clients would get as clients among equals. Credit is earned by shared work
+    and spent by side work; a piece of side work starts while there is credit, and may overrun
+    it (the debt is paid by the next shared work)."""
+
+    def __init__(self, most_s: float):
+        self.most_s = most_s  # credit saved at most: side work never comes in a burst
+        self.credit = 0.0
+
+    def shared(self, seconds: float, sharing: int, waiting: int) -> None:
+        """Shared work of ``seconds`` for ``sharing`` clients, ``waiting`` others with side work."""
+        if sharing:
+            self.credit = min(self.most_s, self.credit + seconds * waiting / sharing)
+
+    def idle(self) -> None:
+        """No shared work: side work runs freely, and owes nothing later."""
+        self.credit = 0.0
+
+    def allows(self) -> bool:
+        return self.credit > 0
+
+    def spend(self, seconds: float) -> None:
+        self.credit -= seconds
