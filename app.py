@@ -13,18 +13,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from functools import partial
 
 from engine.api.openai import build_router
 from engine.cli import run_cli
 from engine.cluster import deploy as cluster
-from engine.core.budget import parse_size
 from engine.core.modes import MODES
 from engine.loading import Loading
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
-from engine.startup import start_engine
+from engine.startup import add_engine_arguments, start_engine
 from ui.launch import (
     add_serving_arguments,
     browser_secret,
@@ -42,29 +40,8 @@ from ui.page import build_app
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Chat with an LLM on CPU, sped up by speculative decoding (OpenVINO).")
     add_model_arguments(parser)
-    parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
+    add_engine_arguments(parser)
     add_serving_arguments(parser)
-    parser.add_argument(
-        "--max-input-tokens",
-        type=int,
-        default=None,
-        help="the longest conversation accepted, in tokens (default: 3/4 of the context)",
-    )
-    parser.add_argument(
-        "--max-sessions",
-        type=int,
-        default=int(os.environ["SPECCHAT_MAX_SESSIONS"]) if os.environ.get("SPECCHAT_MAX_SESSIONS") else None,
-        help="conversations whose KV caches are kept, so their next turn prefills only what is new "
-        "(default: $SPECCHAT_MAX_SESSIONS, else 32, their caches within --memory-limit)",
-    )
-    parser.add_argument(
-        "--memory-limit",
-        type=parse_size,
-        default=parse_size(os.environ["SPECCHAT_MEMORY_LIMIT"]) if os.environ.get("SPECCHAT_MEMORY_LIMIT") else None,
-        metavar="SIZE",
-        help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
-        "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
-    )
     cluster.add_cluster_arguments(parser)
     args = parser.parse_args(argv)
     args.client_limits = client_limits(args)

@@ -5,11 +5,40 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
+from engine.core.budget import parse_size
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import Engine
 from engine.core.turns import NO_LIMITS
 from engine.prepare.pipeline import prepare_from_args
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """What :func:`start_engine` takes besides the models: the device, the input cap, the
+    conversations kept and the memory budget."""
+    parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
+    parser.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        help="the longest conversation accepted, in tokens (default: 3/4 of the context, within --memory-limit)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=int(os.environ["SPECCHAT_MAX_SESSIONS"]) if os.environ.get("SPECCHAT_MAX_SESSIONS") else None,
+        help="conversations whose KV caches are kept, so their next turn prefills only what is new "
+        "(default: $SPECCHAT_MAX_SESSIONS, else 32, their caches within --memory-limit)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=parse_size(os.environ["SPECCHAT_MEMORY_LIMIT"]) if os.environ.get("SPECCHAT_MEMORY_LIMIT") else None,
+        metavar="SIZE",
+        help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
+        "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
+    )
 
 
 def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine:

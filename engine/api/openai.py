@@ -17,9 +17,10 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -177,7 +178,8 @@ def build_router(
         completion = f"chatcmpl-{uuid.uuid4().hex}"
         if asked.stream:
             include_usage = bool(asked.stream_options and asked.stream_options.include_usage)
-            return StreamingResponse(sse(completion, model_id, stream, include_usage), media_type="text/event-stream")
+            chunks = sse(completion, model_id, stream, include_usage)
+            return StreamingResponse(closing(stream, chunks), media_type="text/event-stream")
         return whole(completion, model_id, stream)
 
     return router
@@ -216,6 +218,17 @@ def whole(completion: str, model_id: str, stream: Stream) -> JSONResponse:
         "finish_reason": finish_reason(final.metrics),
     }
     return JSONResponse(envelope(completion, model_id, "chat.completion", [choice], usage=usage(final.metrics)))
+
+
+async def closing(stream: Stream, chunks: Iterator[str]) -> AsyncIterator[str]:
+    """``chunks`` read off the event loop. A client that goes away cancels the response, and so
+    the engine stream at once, also while the request waits in line: its place is free for its
+    client's next request (a sync iterator would run on until the next chunk failed to send)."""
+    try:
+        while (chunk := await anyio.to_thread.run_sync(next, chunks, None, abandon_on_cancel=True)) is not None:
+            yield chunk
+    finally:
+        stream.close()
 
 
 def sse(completion: str, model_id: str, stream: Stream, include_usage: bool) -> Iterator[str]:

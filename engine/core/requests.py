@@ -112,8 +112,11 @@ class Stream:
     ``step_timeout`` seconds) ends with an error event instead of waiting forever; waiting
     behind other requests that do progress is not a failure."""
 
-    def __init__(self, step_timeout: float, healthy: Callable[[], bool]) -> None:
+    def __init__(
+        self, step_timeout: float, healthy: Callable[[], bool], on_close: Callable[[], None] = lambda: None
+    ) -> None:
         self._events: queue.Queue[Event] = queue.Queue()
+        self._on_close = on_close  # its reader went away: the request no longer counts for its client
         self._cancel = threading.Event()
         self._ended = False
         self.step_timeout = step_timeout
@@ -170,3 +173,4 @@ class Stream:
     def close(self) -> None:
         self.cancel()
         self._ended = True
+        self._on_close()

@@ -44,7 +44,7 @@ MAX_BATCH = 8
 BATCH_SPREAD = 512
 # While others generate, a long prompt is read in passes of about this long, in its client's share
 # of the time (turns.TimeShare): no one's next token waits behind a two-second prefill chunk.
-SLICE_S = 0.4
+SLICE_S = 0.25
 SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (the first of a prompt: one)
 # With per-client limits, a client's second request at once starts only while more than this many
 # places are free: they are kept for clients with nothing running.
@@ -61,6 +61,7 @@ class _Job:
     events: queue.Queue
     cancel: threading.Event
     stats: Stats
+    release: Callable[[], None]  # uncounts it for its client (once, whoever is first: see ClientLedger.admit)
     session: Session | None = None
     decoder: Decoder | None = None
     prefill: Iterator[int] | None = None  # the prompt's remaining passes (tokens read after each); None once read
@@ -126,9 +127,10 @@ class Scheduler:
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
-    def submit(self, request: Request, prompt: list[int], stream: Stream) -> None:
-        """Queue a checked request (``prompt``: its ids); its events go to ``stream``."""
-        self._jobs.put(_Job(request, prompt, stream._events, stream._cancel, Stats(request.mode)))
+    def submit(self, request: Request, prompt: list[int], stream: Stream, release: Callable[[], None]) -> None:
+        """Queue a checked request (``prompt``: its ids); its events go to ``stream``, and
+        ``release`` uncounts it for its client when it ends."""
+        self._jobs.put(_Job(request, prompt, stream._events, stream._cancel, Stats(request.mode), release))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread, after the queued work, and return its result."""
@@ -313,7 +315,7 @@ class Scheduler:
             self._guard(jobs, work)
         served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
         if served:
-            self._share.shared(time.perf_counter() - start, len(served), len({j.client for j in side}))
+            self._share.shared(time.perf_counter() - start, len(served))
         else:
             self._share.idle()
         for job in sorted(side, key=lambda j: j.side_s):
@@ -413,7 +415,7 @@ class Scheduler:
         job.stats.finish_reason = reason
         if job in self._serving:  # (else it ended while it waited)
             self._serving.remove(job)
-        self._clients.done(job.client)
+        job.release()
         metrics = job.stats.snapshot()
         if job.decoder is not None and not error and job.request.pooled:
             self.pools.learn(job.client, job.decoder.context)

@@ -238,13 +238,13 @@ class Engine:
         )
         try:
             prompt = self.check(request)
-            self._clients.admit(request.client)
+            release = self._clients.admit(request.client)
         except ClientBusy as exc:
             return Stream.refused(str(exc), request.mode, exc.retry_after)
         except EngineError as exc:
             return Stream.refused(str(exc), request.mode)
-        stream = Stream(self.step_timeout, lambda: self.healthy)
-        self.scheduler.submit(request, prompt, stream)
+        stream = Stream(self.step_timeout, lambda: self.healthy, on_close=release)
+        self.scheduler.submit(request, prompt, stream, release)
         return stream
 
     def run(self, request: Request) -> Event:

@@ -88,8 +88,10 @@ class ClientLedger:
         self._pending: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def admit(self, client: str) -> None:
-        """Count a new request of ``client``, or refuse it where the client holds its limit."""
+    def admit(self, client: str) -> Callable[[], None]:
+        """Count a new request of ``client``, or refuse it where the client holds its limit; what
+        uncounts it, once, whoever calls it first: the engine when it ends, or the stream when its
+        reader goes away (the engine ends it at its next round; the client may ask again now)."""
         with self._lock:
             if client and self.limits.pending and self._pending[client] >= self.limits.pending:
                 raise ClientBusy(
@@ -97,6 +99,16 @@ class ClientLedger:
                     f"takes from one client; try again when one has finished"
                 )
             self._pending[client] += 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if released.is_set():
+                    return
+                released.set()
+            self.done(client)
+
+        return release
 
     def done(self, client: str) -> None:
         with self._lock:
@@ -155,19 +167,19 @@ class TimeShare:
     """The worker's time between the work every generating client shares (one batched step, or
     each one's round when none batch) and side work that serves one client while the others
     wait: a slice of a long prompt's reading, the round of a row too long to batch. With ``n``
-    clients in the shared work and ``m`` with side work, side work gets ``m / (n + m)`` of the
-    time: what those clients would get as clients among equals. Credit is earned by shared work
-    and spent by side work; a piece of side work starts while there is credit, and may overrun
-    it (the debt is paid by the next shared work)."""
+    clients in the shared work, side work (all of it) gets ``1 / (n + 1)`` of the time: what one
+    more client among equals would get, however many strangers paste at once. Credit is earned
+    by shared work and spent by side work; a piece of side work starts while there is credit, and
+    may overrun it (the debt is paid by the next shared work)."""
 
     def __init__(self, most_s: float):
         self.most_s = most_s  # credit saved at most: side work never comes in a burst
         self.credit = 0.0
 
-    def shared(self, seconds: float, sharing: int, waiting: int) -> None:
-        """Shared work of ``seconds`` for ``sharing`` clients, ``waiting`` others with side work."""
+    def shared(self, seconds: float, sharing: int) -> None:
+        """Shared work of ``seconds`` for ``sharing`` clients."""
         if sharing:
-            self.credit = min(self.most_s, self.credit + seconds * waiting / sharing)
+            self.credit = min(self.most_s, self.credit + seconds / sharing)
 
     def idle(self) -> None:
         """No shared work: side work runs freely, and owes nothing later."""
