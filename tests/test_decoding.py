@@ -430,6 +430,24 @@ def test_a_new_requests_pacer_starts_from_what_the_server_measured_on_that_kind_
     assert code[: Pacer.MAX_INTERVAL] == [True] * Pacer.MAX_INTERVAL and code.count(False) == 1  # one probe
 
 
+def test_the_servers_memory_is_not_held_by_its_first_dearest_round():
+    """The first round of the draft model on a server pays for new shapes and for the draft
+    reading the conversation: not what its rounds cost on that text. A request that met it and a
+    few cheap rounds leaves a memory in which the draft model pays, so the next request on that
+    text speculates from its first round."""
+    pacing = Pacing()
+    first = pacing.pacer(True, 5)
+    assert first.speculate()
+    first.record(True, 0.75, 4)  # new shapes, and the draft reading the prompt
+    assert not first.speculate()
+    first.record(False, 0.06, 1)
+    for _ in range(6):  # rounds of the draft model as they run on code: 35 ms a token
+        first.record(True, 0.175, 5)
+    memory = pacing.pacer(True, 5).figures
+    assert memory[True].cost < memory[False].cost
+    assert paced_kinds(pacing.pacer(True, 5), 8, lambda spec: (0.175 if spec else 0.06, 5 if spec else 1)) == [True] * 8
+
+
 def test_the_draft_model_is_not_run_where_a_round_needs_more_acceptance_than_the_draft_reaches():
     """Where a round costs 1.9 plain steps, drafts landing seven times in ten pay. Where it costs
     four (an AVX2 CPU), they must land more than nine times in ten, more than the draft agrees with

@@ -206,9 +206,9 @@ class Decoder:
         elif pacer is not None and self.stats.rounds > 1:
             # A try of the draft model pays its catch-up over the conversation first (about 0.5 s
             # after 2,000 tokens, more than a round): that round's figure counts it.
-            catch_up = self._unpaid if spec else 0.0
-            self._unpaid -= catch_up
-            pacer.record(spec, time.perf_counter() - start, len(round_.tokens), catch_up)
+            seconds = time.perf_counter() - start + (self._unpaid if spec else 0.0)
+            self._unpaid = 0.0 if spec else self._unpaid
+            pacer.record(spec, seconds, len(round_.tokens))
             self.stats.plain_rounds += not spec
         return round_
 

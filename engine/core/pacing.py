@@ -331,22 +331,16 @@ class Pacer:
             return self._cheaper()
         return not self._cheaper() and self._could_pay()  # a probe of the other kind
 
-    def record(self, speculative: bool, seconds: float, tokens: int, catch_up: float = 0.0) -> None:
-        """Count a round of ``seconds`` for ``tokens`` new tokens; ``catch_up``: what the draft
-        paid first to read the conversation, a cost of this request's switch to the draft model.
-        The request's own figure counts it; the server's memory, which every new request starts
-        from, does not: counted there, it made the draft model look dearer than plain steps on
-        code (78 against 63 ms a token after seven held-out prompts, where its rounds cost about
-        35), and no request ran it long enough to correct that (2026-11-25, AVX-512)."""
+    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
         both = self._both()
         order = self._cheaper() if both else None
         probe = both and speculative != order
         # A probe that alone beat the preferred kind's average is not a confirmation, even where it
         # did not yet move its own kind's average past it: the next probe comes soon.
-        promising = probe and (seconds + catch_up) / max(tokens, 1) < self.figures[not speculative].cost
+        promising = probe and seconds / max(tokens, 1) < self.figures[not speculative].cost
         if promising:  # what changed may make the older rounds of its kind stale: it weighs as a first
             self.rounds[speculative] = 0
-        self._measure(speculative, seconds, tokens, catch_up)
+        self._measure(speculative, seconds, tokens)
         if not both:
             return
         if probe:
@@ -362,11 +356,13 @@ class Pacer:
         """Count a round that verified a copy: ``seconds`` for ``tokens`` new tokens."""
         self._measure(COPY, seconds, tokens)
 
-    def _measure(self, kind: Kind, seconds: float, tokens: int, catch_up: float = 0.0) -> None:
+    def _measure(self, kind: Kind, seconds: float, tokens: int) -> None:
         n = self.rounds[kind] = self.rounds.get(kind, 0) + 1
-        self._move(self.figures, kind, seconds + catch_up, tokens, max(self.WEIGHT, 1 / (n + self.PRIOR_ROUNDS)))
+        self._move(self.figures, kind, seconds, tokens, max(self.WEIGHT, 1 / (n + self.PRIOR_ROUNDS)))
         # (a running mean from the server's first round: a fixed weight kept the first round's
-        # figure, the dearest, with its new shapes, for the next twenty-odd requests)
+        # figure, the dearest, with its new shapes, for the next twenty-odd requests; on held-out
+        # code the draft model then looked dearer than plain steps, 75 against 61 ms a token,
+        # where its rounds cost about 35, and no request ran it long enough to correct that)
         seen = self.memory[kind].rounds + 1 if kind in self.memory else 1
         self._move(self.memory, kind, seconds, tokens, max(self.MEMORY_WEIGHT, 1 / seen))
         self.memory[kind].rounds = seen
