@@ -51,6 +51,11 @@ class Stats:
         self.last_token_at = now
         self.new_tokens += n
 
+    @property
+    def prefill_rate(self) -> float:
+        """Prompt tokens read per second of prefill passes (0 before the first)."""
+        return (self.prompt_read - self.cached_tokens) / self.prefill_seconds if self.prefill_seconds else 0.0
+
     def snapshot(self) -> dict:
         end = self.last_token_at or time.perf_counter()
         wall = end - self.start
@@ -64,9 +69,7 @@ class Stats:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "prompt_read": self.prompt_read,
-            "prefill_tokens_per_s": (self.prompt_read - self.cached_tokens) / self.prefill_seconds
-            if self.prefill_seconds
-            else 0.0,
+            "prefill_tokens_per_s": self.prefill_rate,
             "new_tokens": self.new_tokens,
             "wall_s": wall,
             "ttft_s": (self.first_token_at - self.start) if self.first_token_at else None,

@@ -45,7 +45,7 @@ BATCH_SPREAD = 512
 # While others generate, a long prompt is read in passes of about this long, in its client's share
 # of the time (turns.TimeShare): no one's next token waits behind a two-second prefill chunk.
 SLICE_S = 0.25
-SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (the first of a prompt: one)
+SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (a prompt's first slice: one, its rate unknown)
 # With per-client limits, a client's second request at once starts only while more than this many
 # places are free: they are kept for clients with nothing running.
 RESERVED = 2
@@ -328,21 +328,17 @@ class Scheduler:
                 self._guard([job], functools.partial(self._read_prompt, job, sliced=bool(served)))
             else:
                 self._guard([job], functools.partial(self._alone, job))
-            job.side_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            job.side_s += took
             if served:  # (alone, it owes no one)
-                self._share.spend(time.perf_counter() - start)
+                self._share.spend(took)
 
     def _read_prompt(self, job: _Job, sliced: bool = False) -> None:
         """A pass of ``job``'s prompt: a whole chunk, or (``sliced``, while others generate) one
         sized to take about :data:`SLICE_S` at the rate its last passes read."""
         assert job.prefill is not None and job.decoder is not None
         if sliced:
-            rate = (
-                (job.stats.prompt_read - job.stats.cached_tokens) / job.stats.prefill_seconds
-                if job.stats.prefill_seconds
-                else 0.0
-            )
-            width = int(rate * SLICE_S) // SLICE_ROUND * SLICE_ROUND
+            width = int(job.stats.prefill_rate * SLICE_S) // SLICE_ROUND * SLICE_ROUND
             job.decoder.prefill_chunk = min(decoding.PREFILL_CHUNK, max(SLICE_ROUND, width))
         else:
             job.decoder.prefill_chunk = decoding.PREFILL_CHUNK
