@@ -448,6 +448,56 @@ def test_the_servers_memory_is_not_held_by_its_first_dearest_round():
     assert paced_kinds(pacing.pacer(True, 5), 8, lambda spec: (0.175 if spec else 0.06, 5 if spec else 1)) == [True] * 8
 
 
+def test_a_probe_of_the_draft_model_is_skipped_where_its_catch_up_costs_more_than_a_few_steps():
+    """Where plain steps pay, a probe of the draft model first reads what it missed. A probe may
+    spend :attr:`Pacer.PROBE_CATCH_UP` plain steps on that (64 missed tokens after a short prompt),
+    not more (the first read after 2,000 tokens of history, which no round it could run wins back)."""
+    pacer = Pacer()
+    assert paced_kinds(pacer, 12, lambda spec: (0.3 if spec else 0.1, 1))[:2] == [True, False]
+    while pacer.streak < pacer.interval:
+        pacer.record(False, 0.1, 1)
+    assert pacer.speculate(switch=0.3, remaining=64)
+    assert not pacer.speculate(switch=Pacer.PROBE_CATCH_UP * 0.1 + 0.05, remaining=64)
+
+
+def test_the_preferred_draft_model_runs_only_where_the_rest_of_the_answer_repays_its_catch_up():
+    """Where the draft model pays 70 ms a token against plain steps, a catch-up of 0.5 s is worth
+    it over 100 more tokens and not over 5; plain steps run meanwhile, and they are no probe (the
+    order and the probe schedule stay)."""
+    pacer = Pacer()
+    paced_kinds(pacer, 20, lambda spec: (0.15, 5) if spec else (0.1, 1))
+    assert pacer.speculate(switch=0.5, remaining=100)
+    streak, interval = pacer.streak, pacer.interval
+    assert not pacer.speculate(switch=0.5, remaining=5)
+    pacer.record(False, 0.1, 1)
+    assert (pacer.streak, pacer.interval) == (streak, interval) and pacer.speculate(remaining=5)
+
+
+def test_the_draft_models_catch_up_is_timed_apart_from_its_rounds(pair, tok, monkeypatch):
+    """The draft reading a prompt it missed (2 ms a token here) is learned as the cost of reading,
+    not counted in the cost of its rounds: the pacer's figure for those stays what a round costs."""
+    target, drafter = pair
+    forward = drafter.runtime.forward
+
+    def reading_slowly(tokens, *args, **kwargs):
+        time.sleep(0.002 * max(len(tokens) - 3, 0))
+        return forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(drafter.runtime, "forward", reading_slowly)
+    prompt = tok.encode(" ".join(PROMPTS))[:80]
+    target.reset()
+    drafter.runtime.reset()
+    pacing = Pacing()
+    decoder = Decoder(target, drafter, prompt, DecodeConfig(k=4, max_new_tokens=6, pacing=pacing), Stats("t"))
+    list(decoder.prefill())
+    while not decoder.done:
+        list(decoder.catch_up())
+        decoder.round()
+    assert decoder.pacer is not None and decoder.pacer.rounds.get(True)
+    assert decoder.pacer.figures[True].seconds < 0.05  # (the prompt's read alone took 0.15 s)
+    assert pacing.reading(100) == pytest.approx(0.2, rel=0.5)
+
+
 def test_the_draft_model_is_not_run_where_a_round_needs_more_acceptance_than_the_draft_reaches():
     """Where a round costs 1.9 plain steps, drafts landing seven times in ten pay. Where it costs
     four (an AVX2 CPU), they must land more than nine times in ten, more than the draft agrees with
@@ -602,10 +652,20 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
     pacer.record(True, 0.115, 1)
     assert pacer.figures[True].cost < pacer.figures[False].cost
     unlucky = 1
-    while pacer.figures[True].cost < pacer.figures[False].cost:  # a run of them does
+    # a run of them does, once plain steps are cheaper by the hysteresis
+    while pacer.figures[True].cost <= (1 + Pacer.HYSTERESIS) * pacer.figures[False].cost:
         pacer.record(True, 0.115, 1)
         unlucky += 1
-    assert 6 <= unlucky <= 15 and pacer.interval == Pacer.MIN_INTERVAL
+    assert not pacer.speculate() and 6 <= unlucky <= 20 and pacer.interval == Pacer.MIN_INTERVAL
+
+
+def test_the_draft_model_keeps_its_turn_while_plain_steps_are_only_a_little_cheaper():
+    """Where the draft model paid, its rounds turning 10% dearer a token than plain steps (noise, on
+    prose) do not turn the pacer to plain steps; 40% dearer (a long context) do."""
+    pacer = Pacer()
+    paced_kinds(pacer, 10, lambda spec: (0.09, 2) if spec else (0.05, 1))
+    assert sum(paced_kinds(pacer, 40, lambda spec: (0.11, 2) if spec else (0.05, 1))) >= 35  # (and probes)
+    assert sum(paced_kinds(pacer, 60, lambda spec: (0.14, 2) if spec else (0.05, 1))[-24:]) <= 2  # probes
 
 
 def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_draft_landed():

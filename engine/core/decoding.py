@@ -98,7 +98,6 @@ class Decoder:
         self.done = False
         self.prefill_chunk = PREFILL_CHUNK  # the next prefill pass's width (a scheduler may narrow it)
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
-        self._unpaid = 0.0  # seconds of the draft's catch-up that no pacer figure has counted yet
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
         stats.prompt_read = stats.cached_tokens
@@ -141,8 +140,13 @@ class Decoder:
     def _speculates(self, limit: int) -> bool:
         """Whether the next round drafts with the drafter's model (``limit``: drafted tokens that
         fit)."""
-        paced = self.pacer is None or self.pacer.speculate()
-        return self.modelled and self.stats.rounds > 0 and limit > 0 and paced
+        if not (self.modelled and self.stats.rounds > 0 and limit > 0):
+            return False
+        if self.pacer is None:
+            return True
+        assert self.drafter is not None and self.config.pacing is not None
+        switch = self.config.pacing.reading(self.drafter.behind(self.context))
+        return self.pacer.speculate(switch, limit + 1)
 
     def _free_draft(self, limit: int) -> tuple[Draft, Drafter] | None:
         """A paced request's draft that costs no model pass, and who made it: prompt lookup in
@@ -166,10 +170,12 @@ class Decoder:
         if self.drafter is None or self._caught_up or not self._speculates(self.room()):
             return
         self._caught_up = True
-        start = time.perf_counter()
+        start, behind = time.perf_counter(), self.drafter.behind(self.context)
         yield from self.drafter.catch_up(self.context, PREFILL_CHUNK)
-        self._unpaid = time.perf_counter() - start
-        self.stats.draft_seconds += self._unpaid
+        seconds = time.perf_counter() - start
+        self.stats.draft_seconds += seconds
+        if self.config.pacing is not None:
+            self.config.pacing.learn_reading(seconds, behind - self.drafter.behind(self.context))
 
     def round(self) -> Round:
         """One round on the request's own caches: speculative (while it pays, when paced) or a
@@ -180,13 +186,16 @@ class Decoder:
         pacer, drafter = self.pacer, self.drafter
         free = self._free_draft(limit)
         spec = free is None and self._speculates(limit)
-        start = time.perf_counter()
+        start, read_seconds = time.perf_counter(), 0.0
         if drafter is not None and (free or spec):
             draft, proposer = free or (
                 drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng),
                 drafter,
             )
             draft, accepted = draft.head(limit), self.stats.accepted
+            read_seconds = draft.read_seconds
+            if self.config.pacing is not None:
+                self.config.pacing.learn_reading(draft.read_seconds, draft.read)
             round_ = _speculative_round(
                 self.target, proposer, self.context, draft, self.config.sampling, self.rng, self.stats
             )
@@ -204,11 +213,8 @@ class Decoder:
         if pacer is not None and free is not None:
             pacer.record_copy(time.perf_counter() - start, len(round_.tokens))
         elif pacer is not None and self.stats.rounds > 1:
-            # A try of the draft model pays its catch-up over the conversation first (about 0.5 s
-            # after 2,000 tokens, more than a round): that round's figure counts it.
-            seconds = time.perf_counter() - start + (self._unpaid if spec else 0.0)
-            self._unpaid = 0.0 if spec else self._unpaid
-            pacer.record(spec, seconds, len(round_.tokens))
+            # (the draft's catch-up is a cost of switching to it, weighed by Pacer.speculate)
+            pacer.record(spec, time.perf_counter() - start - read_seconds, len(round_.tokens))
             self.stats.plain_rounds += not spec
         return round_
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -27,14 +27,16 @@ class Draft:
     tokens: list[int]
     probs: np.ndarray | None  # [len(tokens), V]: the distribution each token was drawn from (None when greedy)
     seconds: float
+    # Tokens the draft model read first, what it had missed while it did not run (plain steps,
+    # copies, the prompt), and the seconds that took (within ``seconds``): a cost of switching to
+    # it, not of its rounds.
+    read: int = 0
+    read_seconds: float = 0.0
 
     def head(self, n: int) -> Draft:
         """The first ``n`` drafted tokens (the loop caps a draft at the token budget)."""
-        return (
-            self
-            if len(self.tokens) <= n
-            else Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
-        )
+        probs = None if self.probs is None else self.probs[:n]
+        return self if len(self.tokens) <= n else replace(self, tokens=self.tokens[:n], probs=probs)
 
 
 class Drafter(Protocol):
@@ -52,6 +54,10 @@ class Drafter(Protocol):
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         """Bring what the drafter caches up to ``context`` in passes of ``chunk`` tokens (a long
         prompt before the first draft), yielding between passes."""
+
+    def behind(self, context: Sequence[int]) -> int:
+        """How many tokens of ``context`` the drafter would read before its next draft (0 for a
+        drafter that caches nothing)."""
 
     def rollback(self, accepted: Sequence[int]) -> None:
         """Forget every cached token that is not a prefix of ``accepted``."""
@@ -133,6 +139,7 @@ class ModelDrafter:
         self.guesser = NextTokenGuesser(self.vocab_size) if runtime.pass_width >= 2 else None
         self.k: int | None = None  # the adaptive draft length (None: not adapted yet)
         self._cut = 0  # where the view's tail starts in the context
+        self._step: float | None = None  # seconds of a pass that reads nothing it missed (a running mean)
 
     def view(self, context: Sequence[int]) -> list[int]:
         """What the draft model is shown of ``context``: all of it up to ``SINK + 2 * window``
@@ -157,11 +164,16 @@ class ModelDrafter:
         rows = []
         done = False
         context = self.view(context)
+        read, read_seconds = self._missed(context), 0.0
         while not done and len(tokens) < budget:
             sequence = [*context, *tokens]
             guess = self._guess(sequence)
             fed = sequence if guess is None else [*sequence, guess]
-            for logits in self.runtime.sync(fed, rows=len(fed) - len(sequence) + 1):
+            pass_start = time.perf_counter()
+            passed = self.runtime.sync(fed, rows=len(fed) - len(sequence) + 1)
+            if not tokens:
+                read_seconds = self._time_first_pass(time.perf_counter() - pass_start, read)
+            for logits in passed:
                 if params.greedy:
                     token = int(np.argmax(logits))
                 else:
@@ -173,7 +185,24 @@ class ModelDrafter:
                 done = self.p_min > 0 and top_probability(logits) < self.p_min
                 if done or len(tokens) >= budget or token != guess:
                     break
-        return Draft(tokens, self._padded(rows) if rows else None, time.perf_counter() - start)
+        probs = self._padded(rows) if rows else None
+        return Draft(tokens, probs, time.perf_counter() - start, read if read_seconds else 0, read_seconds)
+
+    def _missed(self, view: list[int]) -> int:
+        """Tokens of ``view`` the draft missed while it did not run: past the two a round leaves
+        it to read (the last drafted token and the target's own)."""
+        return max(0, len(view) - common_prefix(self.runtime.tokens, view) - 2)
+
+    def _time_first_pass(self, seconds: float, missed: int) -> float:
+        """Of a round's first pass, the seconds spent reading ``missed`` tokens: what it took past
+        a pass that reads none (a running mean of those; before one is timed, the missed tokens'
+        share of the pass's width). Learns that mean from passes that read nothing missed."""
+        if missed <= 0:
+            self._step = seconds if self._step is None else 0.8 * self._step + 0.2 * seconds
+            return 0.0
+        if self._step is None:
+            return seconds * missed / (missed + self.runtime.pass_width)
+        return max(seconds - self._step, 0.0)
 
     def _guess(self, sequence: list[int]) -> int | None:
         """A guess to feed after ``sequence``, only when the pass would otherwise re-feed a cached
@@ -193,6 +222,9 @@ class ModelDrafter:
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return self.runtime.feed(self.view(context), chunk)
+
+    def behind(self, context: Sequence[int]) -> int:
+        return self._missed(self.view(context))
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.adaptive and drafted:
@@ -271,6 +303,9 @@ class CopyDrafter:
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return iter(())
 
+    def behind(self, context: Sequence[int]) -> int:
+        return 0
+
     def rollback(self, accepted: Sequence[int]) -> None:
         pass
 
@@ -347,6 +382,9 @@ class HybridDrafter:
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
         return self.model.catch_up(context, chunk)
+
+    def behind(self, context: Sequence[int]) -> int:
+        return self.model.behind(context)
 
     def rollback(self, accepted: Sequence[int]) -> None:
         self._free_asked_at = None  # (the round is over)
