@@ -170,9 +170,15 @@ class Decoder:
         if self.drafter is None or self._caught_up or not self._speculates(self.room()):
             return
         self._caught_up = True
-        start, behind = time.perf_counter(), self.drafter.behind(self.context)
-        yield from self.drafter.catch_up(self.context, PREFILL_CHUNK)
-        seconds = time.perf_counter() - start
+        behind, seconds = self.drafter.behind(self.context), 0.0
+        passes = self.drafter.catch_up(self.context, PREFILL_CHUNK)
+        while True:
+            start = time.perf_counter()
+            read = next(passes, None)
+            seconds += time.perf_counter() - start
+            if read is None:
+                break
+            yield read
         self.stats.draft_seconds += seconds
         if self.config.pacing is not None:
             self.config.pacing.learn_reading(seconds, behind - self.drafter.behind(self.context))

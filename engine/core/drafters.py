@@ -186,7 +186,7 @@ class ModelDrafter:
                 if done or len(tokens) >= budget or token != guess:
                     break
         probs = self._padded(rows) if rows else None
-        return Draft(tokens, probs, time.perf_counter() - start, read if read_seconds else 0, read_seconds)
+        return Draft(tokens, probs, time.perf_counter() - start, read, read_seconds)
 
     def _missed(self, view: list[int]) -> int:
         """Tokens of ``view`` the draft missed while it did not run: past the two a round leaves

@@ -242,9 +242,10 @@ class Pacer:
 
     A new pacer starts from ``memory``, what the server's earlier rounds on this kind of text
     measured (shared by every request's pacer, and moved by each round), so it runs the kind that
-    has been cheaper from its first round and probes the other only every :attr:`MAX_INTERVAL`
-    rounds (:attr:`MAX_SPECULATIVE_INTERVAL` for the draft model, its probes dearer); with no
-    memory it tries the draft model, then one plain step to compare. It runs the cheaper kind and
+    has been cheaper from its first round and probes plain steps only every :attr:`MAX_INTERVAL`
+    rounds, or the draft model after :attr:`MIN_INTERVAL` and then up to every
+    :attr:`MAX_SPECULATIVE_INTERVAL` (its probes dearer); with no memory it tries the draft
+    model, then one plain step to compare. It runs the cheaper kind and
     the other once after ``interval`` rounds, as acceptance changes along an answer and costs grow
     with the context. A probe is one more round of its kind in the running mean; one that confirms
     the order doubles the interval (up to :meth:`_longest`), one that reverses it, or alone beat
@@ -311,7 +312,7 @@ class Pacer:
         VM). Where plain steps truly pay (2,000 tokens of history: the draft's rounds 30-40%
         dearer a token) the margin is passed within a few rounds."""
         draft, plain = self.figures[True].cost, self.figures[False].cost
-        if self._prefers_draft is None:  # (a request starting from the server's memory)
+        if self._prefers_draft is None:  # (the first comparison: from the memory, or a try and a step)
             self._prefers_draft = draft <= (1 + self.HYSTERESIS) * plain
         elif not self._prefers_draft:
             self._prefers_draft = draft <= plain
@@ -330,7 +331,7 @@ class Pacer:
         steps). A copied draft must beat it to be worth its verify rows."""
         if not self._both() or not self._cheaper():
             return 1.0
-        return self.figures[False].cost / self.figures[True].cost
+        return max(1.0, self.figures[False].cost / self.figures[True].cost)  # (within the hysteresis: 1)
 
     def copy(self) -> bool:
         """Whether to verify a copy offered this round (priced worth its rows): where copies have
@@ -352,7 +353,7 @@ class Pacer:
         the tokens the answer may still take. A switch to the draft model may cost
         :attr:`PROBE_CATCH_UP` plain steps of catch-up; one that costs more must earn it back over
         the rest of the answer at the measured pace (after 2,000 tokens of history the draft's
-        first read costs more than the rounds it could run win back)."""
+        first read of its window, 0.5 s, costs more than the rounds it could run win back)."""
         self._held = False
         if True not in self.figures:  # not measured yet: try it
             return True
@@ -375,19 +376,21 @@ class Pacer:
         """Count a round: ``seconds`` for ``tokens`` new tokens, without the draft's catch-up (a
         cost of switching, weighed in :meth:`speculate`: counted in its round, a probe after 64
         plain steps looked dearer than plain steps and confirmed them, on prose and on code)."""
-        if self._held:  # a plain step while the draft model's catch-up would not pay: no probe
-            self._measure(speculative, seconds, tokens)
-            return
+        held, self._held = self._held, False
         both = self._both()
         order = self._cheaper() if both else None
-        probe = both and speculative != order
-        # A probe that alone beat the preferred kind's average is not a confirmation, even where it
-        # did not yet move its own kind's average past it: the next probe comes soon.
-        promising = probe and seconds / max(tokens, 1) < self.figures[not speculative].cost
+        probe = both and speculative != order and not held  # (a held plain step is no probe)
+        # A probe that alone beat the preferred kind's average (a plain step, by the hysteresis) is
+        # not a confirmation, even where it did not yet move its own kind's average past it: the
+        # next probe comes soon.
+        margin = 1.0 if speculative else 1 + self.HYSTERESIS
+        promising = probe and margin * seconds / max(tokens, 1) < self.figures[not speculative].cost
         if promising:  # what changed may make the older rounds of its kind stale: it weighs as a first
             self.rounds[speculative] = 0
         self._measure(speculative, seconds, tokens)
         if not both:
+            return
+        if held and self._cheaper() == order:
             return
         if probe:
             self.streak = 0
