@@ -13,7 +13,7 @@ import sys
 import time
 
 from benchmarks.report import add_output_arguments, write_text
-from engine.core.memory import peak_rss_since, reset_peak_rss, resident_bytes
+from engine.core.memory import peak_resident_bytes, reset_peak_rss, resident_bytes
 from engine.core.requests import Request
 from engine.core.service import Engine
 from engine.errors import EngineError
@@ -40,8 +40,8 @@ def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
         ({"role": "user", "content": "word " * words},), mode=mode, max_new_tokens=max_new_tokens, reuse_cache=False
     )
     prompt_tokens = len(engine.check(request))
-    before = resident_bytes()
     reset_peak_rss()
+    before = resident_bytes()
     start, ttft, final = time.perf_counter(), None, None
     for event in engine.generate(request):
         if event.kind == "delta" and ttft is None:
@@ -50,6 +50,7 @@ def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
             final = event
     if final is None or final.kind != "done":
         raise EngineError(f"the {prompt_tokens:,}-token paste failed: {final.error if final else 'no final event'}")
+    after = resident_bytes()
     return {
         "prompt_tokens": prompt_tokens,
         "mode": mode,
@@ -57,8 +58,8 @@ def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
         "wall_s": time.perf_counter() - start,
         "prefill_tokens_per_s": final.metrics.get("prefill_tokens_per_s"),
         "rss_before_gb": before / GB,
-        "peak_gb": (before + peak_rss_since()) / GB,
-        "rss_after_gb": resident_bytes() / GB,
+        "peak_gb": max(peak_resident_bytes(), before, after) / GB,  # (at least every reading taken)
+        "rss_after_gb": after / GB,
         "budget_gb": engine.budget.limit / GB,
     }
 

@@ -74,6 +74,13 @@ def reset_peak_rss() -> None:
     _peak_base = resident_bytes()
 
 
+def peak_resident_bytes() -> int:
+    """The process's peak resident memory since :func:`reset_peak_rss`. The kernel folds each
+    thread's page counts into the high-water mark in batches, so it can trail the present
+    resident size by a few pages: the larger of the two is the peak."""
+    return max(_status_bytes("VmHWM"), resident_bytes())
+
+
 def peak_rss_since() -> int:
     """How far the resident memory rose above what it was at :func:`reset_peak_rss`."""
-    return max(0, _status_bytes("VmHWM") - _peak_base)
+    return max(0, peak_resident_bytes() - _peak_base)
