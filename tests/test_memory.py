@@ -67,7 +67,7 @@ def small_budget_engine(long_target, monkeypatch):
     base = 2**30
     monkeypatch.setattr(service, "resident_bytes", lambda: base)
     probe = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1)
-    per_token = probe.target.kv_bytes_per_token * RESIDENT_PER_CACHED_BYTE
+    per_token = int(probe.target.kv_bytes_per_token * RESIDENT_PER_CACHED_BYTE)
     return Engine(
         long_target, None, config=EXACT_CONFIG, max_sessions=2, memory_limit=base + HEADROOM + ROOM_TOKENS * per_token
     )

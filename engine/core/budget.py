@@ -23,11 +23,11 @@ DEFAULT_SHARE = 0.3
 # Bytes the process may grow by beside the caches: the web server's handlers, a tokenizer's
 # buffers, a pass's activations.
 HEADROOM = 768 * 2**20
-# What the process holds per byte of a cache's entries, measured while a long prompt is read into
-# the default target (2-core AVX-512 machine, 2026-11-25: 78 KB of resident memory per token
-# against 28 KB of bf16 entries): the plugin grows a cache's buffer ahead of its entries, and a
-# chunk's attention scores grow with the context.
-RESIDENT_PER_CACHED_BYTE = 3
+# What the process holds per byte of a cache's entries: a chunk's attention scratch grows with the
+# context beside them. Measured while a long prompt is read into the default target (2-core AVX-512
+# machines, 2026-11-25 and 2026-11-26): 72-78 KB of resident memory per token against 57 KB of f32
+# entries.
+RESIDENT_PER_CACHED_BYTE = 1.5
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -75,11 +75,11 @@ class MemoryBudget:
         """The budget for ``limit`` bytes (None: :data:`DEFAULT_SHARE` of the machine's memory)."""
         if limit is None:
             limit = int(machine_memory() * DEFAULT_SHARE) or base + 4 * 2**30
-        return cls(limit, base, per_token * RESIDENT_PER_CACHED_BYTE)
+        return cls(limit, base, int(per_token * RESIDENT_PER_CACHED_BYTE))
 
     def bytes_held(self, cache_bytes: int) -> int:
         """What caches of ``cache_bytes`` entries hold of the process's memory."""
-        return cache_bytes * RESIDENT_PER_CACHED_BYTE
+        return int(cache_bytes * RESIDENT_PER_CACHED_BYTE)
 
     @property
     def room(self) -> int:

@@ -28,8 +28,11 @@ DYNAMIC_QUANTIZATION = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128}
 # bit as single-token steps do (tests/test_runtime.py; the real int4 target on AVX-512 CPUs, not
 # on AVX2-only ones, where rows differ by up to 4e-5: tests/test_real_pair.py), so greedy
 # speculative decoding equals autoregressive decoding exactly. The CPU default u8 KV cache
-# breaks that: its per-block quantization depends on how many tokens a pass appends.
-TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "bf16", **DYNAMIC_QUANTIZATION}
+# breaks that: its per-block quantization depends on how many tokens a pass appends. With f32
+# compute the plugin keeps a bf16 cache in f32 anyway (a prompt read grew the process alike with
+# either, 72 KB per token: docs/benchmarks.md, "Memory"), so the cache is asked for in f32, and
+# its size is counted as it is held.
+TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", **DYNAMIC_QUANTIZATION}
 # The draft's rounding cannot change the output, so it runs with the fastest settings measured.
 # f32 compute: on an AMX machine (2026-11-23) the plugin's default bf16 made a 2-token draft step
 # 30 ms against 17 ms (docs/benchmarks.md, "Every kind of prompt"); on an AVX-512 machine without
