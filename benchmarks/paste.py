@@ -1,15 +1,21 @@
 """One long paste, as a user pastes a file into the chat: when its answer starts and ends, and
 what the process's resident memory peaks at while the prompt is read, for each length asked
 (``cap``: the longest the engine's input cap accepts). Each paste starts on empty caches.
+``--beside N``: another user chats meanwhile (answers of N tokens, asked again as each ends),
+and their gaps between tokens while the paste is read are set against their gaps alone.
 
     python -m benchmarks.paste --tokens 6000,cap --mode best
+    python -m benchmarks.paste --tokens 8000 --mode autoregressive --beside 64
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
+import threading
 import time
 
 from benchmarks.report import add_output_arguments, write_text
@@ -32,6 +38,58 @@ COLUMNS = [
     Column("after GB", "rss_after_gb", "{:.2f}"),
     Column("budget GB", "budget_gb", "{:.2f}"),
 ]
+BESIDE_COLUMNS = [
+    Column("other user's gap p95 alone ms", "other_p95_alone_ms", "{:.0f}"),
+    Column("while the paste is read ms", "other_p95_reading_ms", "{:.0f}"),
+    Column("their tokens meanwhile", "other_tokens_reading", "{:,}"),
+]
+CHATTER = "Write a Python function that tells whether a string is a palindrome, with a docstring."
+
+
+def _p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else (values[0] if values else 0.0)
+
+
+def _token_times(engine: Engine, request: Request) -> list[float]:
+    """When each of an answer's tokens arrived (``time.perf_counter``)."""
+    times = []
+    for event in engine.generate(request):
+        if event.kind == "delta":
+            times += [time.perf_counter()] * max(1, len(event.token_ids))
+    return times
+
+
+def _gaps(times: list[float], start: float = 0.0, end: float = float("inf")) -> list[float]:
+    """Seconds between successive tokens of one answer, for those that arrived in ``[start, end]``."""
+    return [b - a for a, b in itertools.pairwise(times) if start <= a and b <= end]
+
+
+def beside(engine: Engine, words: int, mode: str, max_new_tokens: int, answer_tokens: int) -> dict:
+    """:func:`paste`'s row, with another user's gaps between tokens (their 95th percentile) alone
+    and while the paste is read; they ask for plain decoding, one token a step."""
+    chat = Request(({"role": "user", "content": CHATTER},), mode="autoregressive", max_new_tokens=answer_tokens)
+    alone = _gaps(_token_times(engine, chat))
+    answers: list[list[float]] = []
+    reading = threading.Event()
+
+    def chatter() -> None:
+        while reading.is_set():
+            answers.append(_token_times(engine, chat))
+
+    reading.set()
+    other = threading.Thread(target=chatter, daemon=True)
+    other.start()
+    start = time.perf_counter()
+    row = paste(engine, words, mode, max_new_tokens)
+    reading.clear()
+    other.join()
+    during = [g for times in answers for g in _gaps(times, start, start + row["ttft_s"])]
+    return {
+        **row,
+        "other_p95_alone_ms": 1000 * _p95(alone),
+        "other_p95_reading_ms": 1000 * _p95(during),
+        "other_tokens_reading": len(during),
+    }
 
 
 def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
@@ -70,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="6000", help="paste lengths, comma separated ('cap': the input cap's)")
     parser.add_argument("--mode", default="best")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--beside", type=int, default=0, help="another user chats meanwhile, answers of N tokens")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -79,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [engine.max_input_tokens - 64 if t == "cap" else int(t) for t in args.tokens.split(",")]
         rows = []
         for words in lengths:
-            rows.append(paste(engine, words, args.mode, args.max_new_tokens))
+            if args.beside:
+                rows.append(beside(engine, words, args.mode, args.max_new_tokens, args.beside))
+            else:
+                rows.append(paste(engine, words, args.mode, args.max_new_tokens))
             print(f"  {rows[-1]}", file=sys.stderr)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = markdown_table(rows, COLUMNS)
+    text = markdown_table(rows, COLUMNS + (BESIDE_COLUMNS if args.beside else []))
     print(text)
     write_text(args.table, text + "\n")
     write_text(args.json, json.dumps(rows, indent=1))
