@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.bench import load_prompts
 from benchmarks.chaos import last_text, peak_rss_gib, said, the_app
-from benchmarks.report import Series, add_output_arguments, line_chart, write_text
+from benchmarks.report import Series, add_output_arguments, line_chart, percentile, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.cluster import REPLICA_LOST
 from engine.errors import EngineError
@@ -134,13 +134,6 @@ def converse(
 
 def columns(rows: list[dict]) -> list[Column]:
     return COLUMNS + CLUSTER_COLUMNS if any(r["replicas"] for r in rows) else COLUMNS
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def affinity(answers: list[Answer]) -> float | None:

@@ -37,9 +37,6 @@ from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table
 
-# The CPU plugin's paged kernels take an f32 cache on CPUs without native bf16 (an AVX2 CPU
-# refuses the engine's bf16: "expect kvcache type f32"); the stateful side keeps the engine's.
-PAGED_CONFIG = {**TARGET_CONFIG, "KV_CACHE_PRECISION": "f32"}
 MEASURED = ("step", "pass", "rejection")
 COLUMNS = [
     Column("context", "context"),
@@ -71,7 +68,7 @@ class PagedCache:
     def compile(cls, ir_dir: Path, capacity: int, config: dict | None = None) -> PagedCache:
         model = ov.Core().read_model(Path(ir_dir) / "openvino_model.xml")
         paged_attention_transformation(model)
-        return cls(ov.Core().compile_model(model, "CPU", PAGED_CONFIG if config is None else config), capacity)
+        return cls(ov.Core().compile_model(model, "CPU", TARGET_CONFIG if config is None else config), capacity)
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens``; return the logits of every one of them."""

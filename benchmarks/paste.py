@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import threading
 import time
 
-from benchmarks.report import add_output_arguments, write_text
+from benchmarks.report import add_output_arguments, percentile, write_text
 from engine.core.memory import peak_resident_bytes, reset_peak_rss, resident_bytes
 from engine.core.requests import Request
 from engine.core.service import Engine
@@ -46,16 +45,19 @@ BESIDE_COLUMNS = [
 CHATTER = "Write a Python function that tells whether a string is a palindrome, with a docstring."
 
 
-def _p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else (values[0] if values else 0.0)
+def _p95_ms(gaps: list[float]) -> float | None:
+    p95 = percentile(gaps, 0.95)
+    return None if p95 is None else 1000 * p95
 
 
 def _token_times(engine: Engine, request: Request) -> list[float]:
     """When each of an answer's tokens arrived (``time.perf_counter``)."""
-    times = []
+    times: list[float] = []
     for event in engine.generate(request):
         if event.kind == "delta":
             times += [time.perf_counter()] * max(1, len(event.token_ids))
+        elif event.kind == "error":
+            raise EngineError(f"the other user's answer failed: {event.error}")
     return times
 
 
@@ -67,7 +69,9 @@ def _gaps(times: list[float], start: float = 0.0, end: float = float("inf")) -> 
 def beside(engine: Engine, words: int, mode: str, max_new_tokens: int, answer_tokens: int) -> dict:
     """:func:`paste`'s row, with another user's gaps between tokens (their 95th percentile) alone
     and while the paste is read; they ask for plain decoding, one token a step."""
-    chat = Request(({"role": "user", "content": CHATTER},), mode="autoregressive", max_new_tokens=answer_tokens)
+    chat = Request(
+        ({"role": "user", "content": CHATTER},), mode="autoregressive", max_new_tokens=answer_tokens, client="other"
+    )
     alone = _gaps(_token_times(engine, chat))
     answers: list[list[float]] = []
     reading = threading.Event()
@@ -79,16 +83,19 @@ def beside(engine: Engine, words: int, mode: str, max_new_tokens: int, answer_to
     reading.set()
     other = threading.Thread(target=chatter, daemon=True)
     other.start()
-    start = time.perf_counter()
-    row = paste(engine, words, mode, max_new_tokens)
-    reading.clear()
-    other.join()
-    during = [g for times in answers for g in _gaps(times, start, start + row["ttft_s"])]
+    try:
+        row = paste(engine, words, mode, max_new_tokens)
+        # (its answer ended wall_s after the paste was sent: the read is the ttft_s before that)
+        read_end = time.perf_counter() - (row["wall_s"] - row["ttft_s"])
+    finally:
+        reading.clear()
+        other.join()
+    window = (read_end - row["ttft_s"], read_end)
     return {
         **row,
-        "other_p95_alone_ms": 1000 * _p95(alone),
-        "other_p95_reading_ms": 1000 * _p95(during),
-        "other_tokens_reading": len(during),
+        "other_p95_alone_ms": _p95_ms(alone),
+        "other_p95_reading_ms": _p95_ms([g for times in answers for g in _gaps(times, *window)]),
+        "other_tokens_reading": sum(window[0] <= t <= window[1] for times in answers for t in times),
     }
 
 

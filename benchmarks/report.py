@@ -16,6 +16,14 @@ def add_output_arguments(parser: argparse.ArgumentParser, json: Path | None = No
     parser.add_argument("--table", type=Path, default=table, help="write the markdown table here")
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` by nearest rank (None where there are none)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def write_text(path: Path | None, text: str) -> None:
     """Write ``text`` to ``path`` (its folder made as needed); nothing when no path is given."""
     if path is not None:

@@ -149,7 +149,8 @@ class ModelDrafter:
         tokens, so the view the draft caches stays a prefix of the next one for ``2 * window``
         tokens. (A cut set by the length alone moved every ``window`` tokens: a 128-token answer
         after a catch-up of up to 2 * window tokens often paid a second one, 0.6 s at 2,000
-        tokens; docs/benchmarks.md, "Long conversations after the u8 fix".)"""
+        tokens; a window held for two cut a catch-up from 542 tokens, 1.14 s, to 288, 0.54 s, on
+        the AMX VM, 2026-11-23.)"""
         w, n = self.window, len(context)
         if w is None or n - SINK <= 2 * w:
             return list(context)

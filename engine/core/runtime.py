@@ -35,7 +35,7 @@ DYNAMIC_QUANTIZATION = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128}
 TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", **DYNAMIC_QUANTIZATION}
 # The draft's rounding cannot change the output, so it runs with the fastest settings measured.
 # f32 compute: on an AMX machine (2026-11-23) the plugin's default bf16 made a 2-token draft step
-# 30 ms against 17 ms (docs/benchmarks.md, "Every kind of prompt"); on an AVX-512 machine without
+# 30 ms against 17 ms (docs/benchmarks.md, "Tried and dropped"); on an AVX-512 machine without
 # AMX (2026-11-22) the two were within 5%.
 DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # A masked rollback compacts the cache once it holds more dropped entries than this; the

@@ -315,7 +315,7 @@ def draft_compression(
 ) -> Compression:
     """The draft's embeddings and vocabulary projection go to int4 with its layers: the draft's
     rounding cannot change the output, and the int4 head makes a draft step about a quarter
-    cheaper on this CPU (docs/benchmarks.md, "What else was tried"). Only int4 has that option, so other precisions
+    cheaper on this CPU (docs/benchmarks.md, "Tried and dropped"). Only int4 has that option, so other precisions
     keep the plain settings (and the same cache entry)."""
     return Compression(precision, group_size, ratio, all_layers=precision == "int4", sym=sym)
 
