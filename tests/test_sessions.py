@@ -1,16 +1,19 @@
 """KV caches per conversation (engine.core.sessions) on the tiny f32 pair: a follow-up turn
 prefills only its suffix whoever spoke in between, the least recently used conversation is
-evicted, and every answer equals the one the same prompt gets alone."""
+evicted, a new one starts from the template's opening copied in, and every answer equals the one
+the same prompt gets alone."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from engine.core import chat
 from engine.core.pacing import Pacing
 from engine.core.requests import Request
-from engine.core.runtime import EXACT_CONFIG
+from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.service import Engine
-from engine.core.sessions import CONTINUES
+from engine.core.sessions import CONTINUES, Opening, Session
 
 ANSWER = 16
 
@@ -128,3 +131,38 @@ def test_a_speculative_answer_is_measured_against_plain_decoding_of_its_context_
     step = (p["wall_s"] - p["ttft_s"]) / (p["new_tokens"] - 1)
     assert plain.metrics["speedup_vs_ar"] == 1.0
     assert m["speedup_vs_ar"] == pytest.approx((m["ttft_s"] + (m["new_tokens"] - 1) * step) / m["wall_s"])
+
+
+def test_a_new_conversation_copies_the_template_opening_and_answers_as_if_it_had_read_it(two_sessions):
+    engine = two_sessions
+    engine.with_models(lambda *_: engine.reset())
+    opening = engine.sessions.opening
+    assert opening is not None and opening.tokens == tuple(chat.opening_ids(engine.tokenizer))
+    for text in ("Sort a list.", "The quick brown fox jumps over the lazy dog."):
+        prompt = conversation(engine, text)
+        answer, metrics = turn(engine, prompt)
+        assert metrics["cached_tokens"] == len(opening.tokens) > 0  # copied, not read
+        assert answer == alone(engine, prompt)  # (a cold request reads everything)
+    system = engine.prompt_ids(Request(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})))
+    shared = common_prefix(opening.tokens, system)
+    assert 0 < shared < len(opening.tokens)  # a conversation of its own system turn takes what it shares
+    answer, metrics = turn(engine, system)
+    assert metrics["cached_tokens"] == shared and answer == alone(engine, system)
+
+
+def test_a_cache_loaded_with_copied_entries_computes_the_same_logits_as_one_that_read_them(ir_target):
+    target = Runtime(ir_target, config=EXACT_CONFIG, first_token_alone=True)
+    read = target.fork()
+    prompt = list(range(5, 45))
+    expected = read.sync(prompt, rows=8)
+    opening = Opening.read(prompt[:20], (target.fork(), None))
+    for shared in (1, 12, 20):  # a prompt that leaves the opening after `shared` tokens takes those
+        target.reset()
+        opening.seed(Session(target, None, {}), prompt[:shared] + [3] * 5)
+        assert target.tokens == prompt[:shared]
+    target.sync(prompt[:30])
+    opening.seed(Session(target, None, {}), prompt)  # a cache holding more of the prompt is kept
+    assert target.tokens == prompt[:30]
+    target.reset()
+    opening.seed(Session(target, None, {}), prompt)
+    assert np.array_equal(target.sync(prompt, rows=8), expected)

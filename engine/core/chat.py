@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from engine.core.runtime import common_prefix
 from engine.errors import EngineError
 
 ROLES = ("system", "user", "assistant")
@@ -47,3 +48,14 @@ def prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
         elif part:  # the template's own text and control tokens
             ids += tokenizer.encode(part, add_special_tokens=False)
     return ids
+
+
+def opening_ids(tokenizer: Any) -> list[int]:
+    """The ids every conversation of one user message starts with under ``tokenizer``'s chat
+    template (its default system turn and the user's turn up to the message): none without a
+    template."""
+    try:
+        first, second = (prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in ("a", "b"))
+    except ValueError:  # no chat template: prompts come as ids
+        return []
+    return first[: common_prefix(first, second)]

@@ -231,6 +231,19 @@ class Runtime:
         release_states(self.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
         self.hold_loaded([0] * context)
 
+    def entries(self) -> dict[str, np.ndarray]:
+        """A copy of every state (the cache's entries), by name: what :meth:`load` takes back."""
+        return {state.name: state.state.data.copy() for state in self.request.query_state()}
+
+    def load(self, tokens: Sequence[int], entries: dict[str, np.ndarray]) -> None:
+        """Make the cache hold ``tokens`` from ``entries`` (:meth:`entries` of a cache that held
+        them first, or a longer run of tokens starting with them): nothing is computed. A
+        token's entries depend only on the tokens before it, so a cache holding an opening many
+        conversations share can seed every new one."""
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.ascontiguousarray(entries[state.name][:, :, : len(tokens)]))
+        self.hold_loaded(tokens)
+
     def hold_loaded(self, tokens: Sequence[int]) -> None:
         """The states were just set from outside (a batch row copied back): they hold ``tokens``."""
         self.tokens = list(tokens)

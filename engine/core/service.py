@@ -121,7 +121,9 @@ class Engine:
         )
         if self.budget.tokens <= 2 * MIN_ANSWER_ROOM:
             raise EngineError(f"the {self.budget.describe()} is too small to serve a conversation: raise the limit")
-        self.sessions = SessionPool(self.target, self.draft, self._drafters, max_sessions or MAX_SESSIONS)
+        self.sessions = SessionPool(
+            self.target, self.draft, self._drafters, max_sessions or MAX_SESSIONS, chat.opening_ids(self.tokenizer)
+        )
         self.step_timeout = step_timeout
         self._clients = ClientLedger(client_limits)
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
