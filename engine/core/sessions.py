@@ -67,7 +67,7 @@ class Opening:
     @classmethod
     def read(cls, tokens: Sequence[int], runtimes: Sequence[Runtime | None]) -> Opening:
         """Read ``tokens`` on each runtime (left empty after)."""
-        entries = []
+        entries: list[dict[str, np.ndarray] | None] = []
         for runtime in runtimes:
             if runtime is not None:
                 runtime.reset()
