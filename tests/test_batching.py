@@ -215,15 +215,17 @@ def test_rows_of_any_length_join_and_a_long_row_leaving_cuts_the_padding(shared,
     assert all(largest == 3 for _, largest in finals) and cuts
 
 
-def test_short_prompts_that_arrive_together_start_together(shared):
-    """Their prompts are read in one iteration, so their first tokens come from one batched step
-    (the last no longer waits for a round per request ahead of it), each the token it gets alone."""
+def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_then_batch(shared):
+    """Each first token comes as soon as its own prompt is read (not after every prompt that
+    arrived with it), then the requests go on in one batched step; each the answer it gets alone."""
     requests = [ask(f"Arriving together {i}: name a fruit.") for i in range(3)]
     solo = [alone(shared, r) for r in requests]
     with held(shared):
         streams = [shared.generate(r) for r in requests]
     firsts = [first_delta(s)[-1] for s in streams]
-    assert [e.metrics["batch_size"] for e in firsts] == [3, 3, 3]
+    assert [e.metrics["batch_size"] for e in firsts] == [1, 1, 1]
+    assert firsts[0].metrics["ttft_s"] < firsts[2].metrics["ttft_s"]
+    assert [first_delta(s)[-1].metrics["batch_size"] for s in streams] == [3, 3, 3]
     for stream, expected in zip(streams, solo):
         final, _ = finish(stream)
         assert final.kind == "done", final.error

@@ -288,30 +288,35 @@ class Scheduler:
             if width > 2 * shortest + BATCH_SPREAD:
                 break
             chosen.append(job)
-        return chosen if len(chosen) > 1 else []
+        return chosen
 
     def _advance(self) -> None:
         """One iteration. Prompts with no chunk of their own to read are taken up at once (their
-        rest is read by their first round). Then the shared work: one batched step of the
-        requests that generate together, or, where none batch, a round of each. Then side work,
-        each piece serving one client: a slice of a long prompt, a round of a row that does not
-        batch; while others generate it runs in its clients' share of the time (:class:`TimeShare`),
+        rest is read by their first round). First rounds come first, each on the request's own
+        cache, so its user has a token as soon as its prompt is read (in the clients' turn they
+        started in: :class:`FairQueue`), not after every prompt that arrived with it. Then the
+        shared work: one batched step of the requests that generate together (a request joins
+        after its first round), or, where none batch, a round of each. Then side work, each piece
+        serving one client: a slice of a long prompt, a round of a row that does not batch; while others generate it runs in its clients' share of the time (:class:`TimeShare`),
         the least served first, so one stranger's paste slows everyone else by a client's share,
-        not by its whole reading. Short prompts arriving together so start together, in one
-        batched step."""
+        not by its whole reading."""
         for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
             self._guard([job], functools.partial(self._read_prompt, job))
         generating = [j for j in self._serving if j.prefill is None]
-        together = self._batchable(generating) if len(generating) > 1 else []
-        first = [j for j in generating if j not in together and j.stats.rounds == 0]  # what its user waits for
-        apart = [j for j in generating if j not in together and j not in first]
+        first = [j for j in generating if j.stats.rounds == 0]  # what their users wait for
+        going = [j for j in generating if j.stats.rounds > 0]
+        # (while others start beside it, a lone row stays in the batch: alone, it would leave it
+        # and its draft re-read the conversation, only to join again next iteration)
+        together = self._batchable(going) if len(generating) > 1 else []
+        together = together if len(together) > 1 or (together and first) else []
+        apart = [j for j in going if j not in together]
         shared = [together] if together else [[j] for j in apart]
         side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
         start = time.perf_counter()
         for job in first:
             self._guard([job], functools.partial(self._alone, job))
         for jobs in shared:
-            work = functools.partial(self._together, jobs) if len(jobs) > 1 else functools.partial(self._alone, jobs[0])
+            work = functools.partial(self._together, jobs) if jobs is together else functools.partial(self._alone, jobs[0])
             self._guard(jobs, work)
         served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
         if served:
