@@ -297,9 +297,10 @@ class Scheduler:
         started in: :class:`FairQueue`), not after every prompt that arrived with it. Then the
         shared work: one batched step of the requests that generate together (a request joins
         after its first round), or, where none batch, a round of each. Then side work, each piece
-        serving one client: a slice of a long prompt, a round of a row that does not batch; while others generate it runs in its clients' share of the time (:class:`TimeShare`),
-        the least served first, so one stranger's paste slows everyone else by a client's share,
-        not by its whole reading."""
+        serving one client: a slice of a long prompt, a round of a row that does not batch; while
+        others generate it runs in its clients' share of the time (:class:`TimeShare`), the least
+        served first, so one stranger's paste slows everyone else by a client's share, not by its
+        whole reading."""
         for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
             self._guard([job], functools.partial(self._read_prompt, job))
         generating = [j for j in self._serving if j.prefill is None]
@@ -316,8 +317,8 @@ class Scheduler:
         for job in first:
             self._guard([job], functools.partial(self._alone, job))
         for jobs in shared:
-            work = functools.partial(self._together, jobs) if jobs is together else functools.partial(self._alone, jobs[0])
-            self._guard(jobs, work)
+            batched = jobs is together
+            self._guard(jobs, functools.partial(self._together, jobs) if batched else functools.partial(self._alone, jobs[0]))
         served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
         if served:
             self._share.shared(time.perf_counter() - start, len(served))
