@@ -317,8 +317,8 @@ class Scheduler:
         for job in first:
             self._guard([job], functools.partial(self._alone, job))
         for jobs in shared:
-            batched = jobs is together
-            self._guard(jobs, functools.partial(self._together, jobs) if batched else functools.partial(self._alone, jobs[0]))
+            work = functools.partial(self._together, jobs) if jobs is together else None
+            self._guard(jobs, work or functools.partial(self._alone, jobs[0]))
         served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
         if served:
             self._share.shared(time.perf_counter() - start, len(served))
