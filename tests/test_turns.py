@@ -233,3 +233,29 @@ def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target
     assert read[-1] < len(paste.prompt_ids) // 2  # the rest once the answer has ended
     runs = "".join("c" if client == "chat" else "p" for client, _, _ in seen[:chat_done])
     assert "pp" not in runs.lstrip("p")  # after the answer's first token, never two slices in a row
+
+
+def test_a_paste_being_read_holds_no_place_that_another_users_question_waits_for(long_target, monkeypatch):
+    """With one place to serve in, a 3,000-token paste being read (side work, in its share of the
+    time) does not keep another client's short question in line: the question is answered while
+    the paste is still read, and both answers equal their solo runs."""
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2)
+    engine.scheduler.max_batch = 1
+    rng = np.random.default_rng(4)
+    paste = Request(
+        prompt_ids=tuple(rng.integers(10, 300, 3000).tolist()), mode="autoregressive", max_new_tokens=2, client="paste"
+    )
+    chat = Request(
+        prompt_ids=tuple(rng.integers(10, 300, 40).tolist()), mode="autoregressive", max_new_tokens=8, client="chat"
+    )
+    paste, chat = (replace(r, reuse_cache=False) for r in (paste, chat))
+    solo = [engine.run(r).token_ids for r in (paste, chat)]
+    seen: list[tuple[str, str]] = []  # (client, event) in the worker's order
+    put = engine.scheduler._put
+    monkeypatch.setattr(
+        engine.scheduler, "_put", lambda job, event: seen.append((job.client, event.kind)) or put(job, event)
+    )
+    with held(engine):
+        streams = [engine.generate(r) for r in (paste, chat)]
+    assert [next(e for e in s if e.final).token_ids for s in streams] == solo
+    assert seen.index(("chat", "done")) < seen.index(("paste", "delta"))  # answered before the paste's first token

@@ -164,7 +164,15 @@ class Scheduler:
     @property
     def full(self) -> bool:
         """Serving as many requests as it serves together: new ones wait."""
-        return len(self._serving) >= self.max_batch
+        return self._places_taken() >= self.max_batch or len(self._serving) >= self.sessions.capacity
+
+    def _places_taken(self) -> int:
+        """Requests holding one of the :attr:`max_batch` places: all those served but the ones
+        still reading a prompt longer than a chunk. Those are side work, all of them in one
+        client's share of the time (:meth:`_advance`), and their rows do not batch with short
+        ones: they would otherwise keep other clients' short questions waiting in line for the
+        minutes a paste takes to read (memory and each client's limits bound them still)."""
+        return sum(1 for job in self._serving if job.unread <= decoding.PREFILL_CHUNK)
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -192,10 +200,10 @@ class Scheduler:
         def eligible(client: str) -> bool:
             if not (limit and client):
                 return True
-            spare = self.max_batch - len(self._serving) > RESERVED
+            spare = self.max_batch - self._places_taken() > RESERVED
             return running[client] < limit and (running[client] == 0 or spare)
 
-        while len(self._serving) < self.max_batch:
+        while not self.full:
             job = self._waiting.take(eligible)
             if job is None:
                 return
@@ -274,7 +282,7 @@ class Scheduler:
 
     def _batchable(self, jobs: list[_Job]) -> list[_Job]:
         """The generating requests whose rows fit the budget together, padded to the longest row:
-        the shortest first, within :data:`BATCH_SPREAD`. A row a thousand times longer than the
+        the shortest first, within :data:`BATCH_SPREAD`, at most :attr:`max_batch`. A row a thousand times longer than the
         others would otherwise make each of them that long, in memory and in time."""
         members = [j.session for j in jobs]
         others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
@@ -285,7 +293,7 @@ class Scheduler:
             shortest = len(chosen[0].decoder.context) if chosen else width  # type: ignore[union-attr]
             if (len(chosen) + 1) * self.budget.bytes_held(width * self.target.kv_bytes_per_token) > room:
                 break
-            if width > 2 * shortest + BATCH_SPREAD:
+            if width > 2 * shortest + BATCH_SPREAD or len(chosen) == self.max_batch:
                 break
             chosen.append(job)
         return chosen
