@@ -282,8 +282,9 @@ class Scheduler:
 
     def _batchable(self, jobs: list[_Job]) -> list[_Job]:
         """The generating requests whose rows fit the budget together, padded to the longest row:
-        the shortest first, within :data:`BATCH_SPREAD`, at most :attr:`max_batch`. A row a thousand times longer than the
-        others would otherwise make each of them that long, in memory and in time."""
+        the shortest first, within :data:`BATCH_SPREAD`, at most :attr:`max_batch`. A row a
+        thousand times longer than the others would otherwise make each of them that long, in
+        memory and in time."""
         members = [j.session for j in jobs]
         others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
         room = self.budget.room - self.budget.bytes_held(others)
