@@ -15,6 +15,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from engine.core import batch as batch_module
+from engine.core import scheduler as scheduler_module
 from engine.core.decoding import Decoder
 from engine.core.pacing import Pacing
 from engine.core.requests import Event, Request, Stream
@@ -230,3 +231,24 @@ def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_the
         final, _ = finish(stream)
         assert final.kind == "done", final.error
         assert final.token_ids == expected
+
+
+def test_a_row_that_no_longer_batches_leaves_the_batch_for_its_own_cache_unharmed(shared, monkeypatch):
+    """Rows batch while the widest is at most twice the shortest (no spread here): a shorter
+    conversation joining mid-answer sends the widest row out of the batch, to its own cache, in
+    its share of the time; every answer equals its solo run."""
+    monkeypatch.setattr(scheduler_module, "BATCH_SPREAD", 0)
+    rng = np.random.default_rng(5)
+    a, r, c = (tuple(rng.integers(10, 300, n).tolist()) for n in (30, 50, 26))
+    requests = [
+        Request(prompt_ids=ids, mode="autoregressive", max_new_tokens=n) for ids, n in ((a, 40), (r, 40), (c, 8))
+    ]
+    solo = [alone(shared, request) for request in requests]
+    with held(shared):
+        streams = [shared.generate(request) for request in requests[:2]]
+    for _ in range(6):  # both rows in one batch, the wider one now more than twice the newcomer
+        next(e for e in streams[1] if e.kind == "delta")
+    streams.append(shared.generate(requests[2]))
+    finals = [finish(stream)[0] for stream in streams]
+    assert [f.error for f in finals] == ["", "", ""]
+    assert [f.token_ids for f in finals] == solo

@@ -315,10 +315,10 @@ class Scheduler:
         generating = [j for j in self._serving if j.prefill is None]
         first = [j for j in generating if j.stats.rounds == 0]  # what their users wait for
         going = [j for j in generating if j.stats.rounds > 0]
-        # (while others start beside it, a lone row stays in the batch: alone, it would leave it
-        # and its draft re-read the conversation, only to join again next iteration)
+        # (while others start beside it, a lone row of the batch stays in it: alone, it would
+        # leave and its draft re-read the conversation, only to join again next iteration)
         together = self._batchable(going) if len(generating) > 1 else []
-        together = together if len(together) > 1 or (together and first) else []
+        together = together if len(together) > 1 or (together and first and together[0].key in self._batch) else []
         apart = [j for j in going if j not in together]
         shared = [together] if together else [[j] for j in apart]
         side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
@@ -382,7 +382,11 @@ class Scheduler:
         self._emit(job, job.decoder.round(), batch_size=1)
 
     def _together(self, jobs: list[_Job]) -> None:
-        """One batched target pass over every generating request; each takes its own token."""
+        """One batched target pass over ``jobs``; each takes its own token. A row of the batch
+        not among them (grown too wide, or waiting for its share as side work) leaves first."""
+        keys = {j.key for j in jobs}
+        for row in [row for row in self._batch.rows if row.key not in keys]:
+            self._batch.leave(row.key)
         joining = [j for j in jobs if j.key not in self._batch]
         for job in joining:
             assert job.decoder is not None and job.session is not None
