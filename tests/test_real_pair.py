@@ -86,13 +86,14 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
 
 def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine, chats):
     """A cold cache starts with one token, and passes with a past compute every row alike at any
-    width: so a turn prefilled after another conversation (sharing only the system prompt) or in
-    other chunks gives the answer a cold cache gives."""
+    width: so a turn prefilled after another conversation (sharing only the system prompt), from
+    the template's opening copied in, or in other chunks gives the answer a cold cache gives."""
     cold = [
         real_engine.run(Request(chat, mode="best", max_new_tokens=48, reuse_cache=False)).token_ids for chat in chats
     ]
-    warm = [real_engine.run(Request(chat, mode="best", max_new_tokens=48)).token_ids for chat in chats[::-1]]
-    assert warm[::-1] == cold
+    warm = [real_engine.run(Request(chat, mode="best", max_new_tokens=48)) for chat in chats[::-1]]
+    assert [final.token_ids for final in warm[::-1]] == cold
+    assert all(final.metrics["cached_tokens"] >= len(real_engine.sessions.opening.tokens) > 0 for final in warm)
 
 
 def test_the_cold_cache_starts_with_one_token(real_engine):
