@@ -58,8 +58,10 @@ class Opening:
     the user's) and each role's cache entries for it. The target reads its first token alone
     (``Runtime.first_token_alone``), so every later token's entries are the same however the
     prompt is split into passes: copied in, the opening leaves the answer unchanged, and it
-    saves most of a short prompt's reading (24 of a coding question's 44 tokens for Qwen2.5:
-    0.13 s against 0.30 s, AVX-512 AMD VM; docs/benchmarks.md, "Many users")."""
+    saves most of a short prompt's reading (24 of a coding question's 44 tokens for Qwen2.5: its
+    first token after 0.12 s against 0.26 s, AVX-512 AMD VM; docs/benchmarks.md, "Many users").
+    The draft's u8 cache comes back requantized (its logits moved by up to 0.5, where reading
+    the prompt in other chunks moves them by 1.5): the draft's rounding never changes an answer."""
 
     tokens: tuple[int, ...]
     entries: tuple[dict[str, np.ndarray] | None, ...]  # per role: the target's, the draft's
