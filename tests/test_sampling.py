@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
-from engine.core.sampling import SamplingParams, logits_to_probs, next_token
+from engine.core.sampling import BLOCK, SamplingParams, logits_to_probs, next_token, sample
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -65,3 +66,18 @@ def test_samples_follow_the_warped_distribution():
     rng = np.random.default_rng(0)
     counts = np.bincount([next_token(LOGITS, params, rng) for _ in range(20000)], minlength=len(LOGITS))
     np.testing.assert_allclose(counts / counts.sum(), logits_to_probs(LOGITS, params), atol=0.01)
+
+
+def test_a_draw_over_many_blocks_follows_the_distribution_and_never_takes_an_impossible_token():
+    """A vocabulary of several blocks (a block, then an id within it): the counts follow the
+    probabilities (chi-square), and tokens of probability 0 (cut by top-k or top-p) never come."""
+    rng = np.random.default_rng(7)
+    probs = rng.random(3 * BLOCK + 100) ** 4
+    probs[rng.random(len(probs)) < 0.3] = 0.0
+    probs[BLOCK : 2 * BLOCK] = 0.0  # a whole block cut
+    probs /= probs.sum()
+    counts = np.bincount([sample(probs, rng) for _ in range(100_000)], minlength=len(probs))
+    assert counts[probs == 0].sum() == 0
+    likely = probs * counts.sum() >= 5
+    expected = probs[likely] / probs[likely].sum() * counts[likely].sum()
+    assert scipy_stats.chisquare(counts[likely], expected).pvalue > 0.001

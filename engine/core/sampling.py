@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+BLOCK = 1024  # token ids per block when a token is drawn (sample)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,21 +33,25 @@ def top_probability(logits: np.ndarray) -> float:
 
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Rows of logits [..., V] -> rows of probabilities after temperature, top-k and top-p."""
-    logits = np.asarray(logits, dtype=np.float64)
     if params.greedy:
-        probs = np.zeros_like(logits)
-        np.put_along_axis(probs, logits.argmax(-1)[..., None], 1.0, axis=-1)
+        probs = np.zeros(np.shape(logits), dtype=np.float64)
+        np.put_along_axis(probs, np.argmax(logits, -1)[..., None], 1.0, axis=-1)
         return probs
-    z = (logits - logits.max(-1, keepdims=True)) / params.temperature  # no inf - inf at a tiny temperature
+    # In place on one copy: a row of a 152k vocabulary is 1.2 MB in float64, and every temporary
+    # of that size is mapped and faulted in afresh (engine.core.memory), 0.3-0.6 ms each: a
+    # sampled row cost 3.5 ms, a quarter of an 8-row batched step beside it.
+    z = np.array(logits, dtype=np.float64)
+    z -= z.max(-1, keepdims=True)
+    z /= params.temperature  # (after the shift: no inf - inf at a tiny temperature)
     if 0 < params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
-        z = np.where(z < kth, -np.inf, z)
-    z = z - z.max(-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(-1, keepdims=True)
+        z[z < kth] = -np.inf
+        z -= z.max(-1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(-1, keepdims=True)
     if params.top_p < 1.0:
-        probs = _top_p(probs, params.top_p)
-    return probs
+        z = _top_p(z, params.top_p)
+    return z
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -61,9 +67,17 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a probability row."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+    """Draw one token id from a probability row: the block of :data:`BLOCK` ids the draw falls
+    in, by the blocks' sums, then the id within it, by the draw's place in that block. The same
+    distribution as a search of the whole row's running sum, without building it (1.2 MB for a
+    152k vocabulary, 0.5 ms); a token of probability 0 is never drawn."""
+    sums = np.add.reduceat(probs, np.arange(0, len(probs), BLOCK))
+    cdf = np.cumsum(sums)
+    draw = rng.random() * cdf[-1]
+    block = min(int(np.searchsorted(cdf, draw, side="right")), len(sums) - 1)
+    place = min(max((draw - (cdf[block] - sums[block])) / sums[block], 0.0), np.nextafter(1.0, 0.0))
+    within = np.cumsum(probs[block * BLOCK : (block + 1) * BLOCK])
+    return block * BLOCK + int(np.searchsorted(within, place * within[-1], side="right"))
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
