@@ -23,7 +23,7 @@ import numpy as np
 import openvino as ov
 
 from engine.core.memory import trim_heap
-from engine.core.runtime import Runtime, release_states
+from engine.core.runtime import Runtime, release_states, state_tensor
 
 # Leading slots no row uses that a leave cuts away (a copy of the states): attention runs over
 # every slot, masked or not.
@@ -74,9 +74,9 @@ class Batch:
         width = max(len(tokens) for tokens in [*(row.tokens for row in self.rows), *(h.tokens for h in homes)])
         joining = [_states_by_name(home) for home in homes]
         for state in self.request.query_state():  # one state at a time: a copy of one layer in memory
-            parts = [_fit(state.state.data[self._physical], width)] if self.rows else []
+            parts = [_fit(self._in_order(state.state.data), width)] if self.rows else []
             parts += [_fit(_entries(states, state.name, home), width) for states, home in zip(joining, homes)]
-            state.state = ov.Tensor(np.ascontiguousarray(np.concatenate(parts)))
+            state.state = state_tensor(np.concatenate(parts))
         self.rows += [Row(key, home, list(home.tokens)) for key, home in members]
         self.slots = width
         self._physical = list(range(len(self.rows)))
@@ -95,7 +95,7 @@ class Batch:
             home = _states_by_name(row.home)
             for state in self.request.query_state():  # one state at a time
                 kept = state.state.data[physical : physical + 1, :, start:]
-                home[state.name].state = ov.Tensor(np.ascontiguousarray(kept))
+                home[state.name].state = state_tensor(kept)
             row.home.hold_loaded(row.tokens)
         if not self.rows:
             self.slots = 0
@@ -107,9 +107,14 @@ class Batch:
     def _cut(self, width: int) -> None:
         """Drop the leading slots no row uses any more (and the rows that left)."""
         for state in self.request.query_state():
-            state.state = ov.Tensor(np.ascontiguousarray(_fit(state.state.data[self._physical], width)))
+            state.state = state_tensor(_fit(self._in_order(state.state.data), width))
         self.slots = width
         self._physical = list(range(len(self.rows)))
+
+    def _in_order(self, states: np.ndarray) -> np.ndarray:
+        """The rows' entries in ``states`` (a state as read), in row order: as read where no row
+        has left since the last pass, a copy otherwise (75 ms of a 7-row batch's rebuild)."""
+        return states if self._physical == list(range(len(states))) else states[self._physical]
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens[i]`` to row i; return each row's logits for the next token."""
