@@ -318,7 +318,8 @@ class Scheduler:
         # (while others start beside it, a lone row of the batch stays in it: alone, it would
         # leave and its draft re-read the conversation, only to join again next iteration)
         together = self._batchable(going) if len(generating) > 1 else []
-        together = together if len(together) > 1 or (together and first and together[0].key in self._batch) else []
+        if len(together) == 1 and not (first and together[0].key in self._batch):
+            together = []
         apart = [j for j in going if j not in together]
         shared = [together] if together else [[j] for j in apart]
         side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
