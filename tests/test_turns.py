@@ -235,6 +235,43 @@ def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target
     assert "pp" not in runs.lstrip("p")  # after the answer's first token, never two slices in a row
 
 
+def test_a_question_arriving_while_others_generate_starts_before_the_next_slice_of_a_paste(long_target, monkeypatch):
+    """A question that arrives during another user's step gets its first token at the worker's next
+    iteration, not after one more slice of a paste read on the side (whose share is kept)."""
+    monkeypatch.setattr(TimeShare, "allows", lambda self: True)  # a slice after every step, unless something arrived
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=3)
+    rng = np.random.default_rng(5)
+    chat, paste, late = (
+        replace(
+            Request(
+                prompt_ids=tuple(rng.integers(10, 300, n).tolist()), mode="autoregressive", max_new_tokens=m, client=c
+            ),
+            reuse_cache=False,
+        )
+        for n, m, c in ((40, 24, "chat"), (3000, 2, "paste"), (40, 2, "late"))
+    )
+    seen: list[tuple[str, str]] = []  # (client, event) in the worker's order
+    later: list = []
+    put = engine.scheduler._put
+
+    def record(job, event) -> None:
+        seen.append((job.client, event.kind))
+        if not later and ("chat", "delta") in seen:  # (during the chat's round: the worker calls this)
+            seen.append(("late", "arrived"))
+            later.append(engine.generate(late))
+        put(job, event)
+
+    monkeypatch.setattr(engine.scheduler, "_put", record)
+    with held(engine):
+        streams = [engine.generate(r) for r in (chat, paste)]
+    finals = [next(e for e in s if e.final) for s in streams]  # (the question arrives meanwhile)
+    finals.append(next(e for e in later[0] if e.final))
+    assert [f.kind for f in finals] == ["done"] * 3
+    after = seen[seen.index(("late", "arrived")) :]
+    assert ("paste", "progress") in after  # (still reading when the question came)
+    assert ("paste", "progress") not in after[: after.index(("late", "delta"))]
+
+
 def test_a_paste_being_read_holds_no_place_that_another_users_question_waits_for(long_target, monkeypatch):
     """With one place to serve in, a 3,000-token paste being read (side work, in its share of the
     time) does not keep another client's short question in line: the question is answered while

@@ -309,7 +309,8 @@ class Scheduler:
         serving one client: a slice of a long prompt, a round of a row that does not batch; while
         others generate it runs in its clients' share of the time (:class:`TimeShare`), the least
         served first, so one stranger's paste slows everyone else by a client's share, not by its
-        whole reading."""
+        whole reading. A request that arrives meanwhile ends the side work of the iteration: it starts at
+        the next one, its first token not behind a slice (its share is kept: the credit stays)."""
         for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
             self._guard([job], functools.partial(self._read_prompt, job))
         generating = [j for j in self._serving if j.prefill is None]
@@ -335,8 +336,8 @@ class Scheduler:
         else:
             self._share.idle()
         for job in sorted(side, key=lambda j: j.side_s):
-            if served and not self._share.allows():
-                return
+            if (served and not self._share.allows()) or not self._jobs.empty():
+                return  # (what arrived meanwhile starts first: its first token does not wait for a slice)
             if job not in self._serving:
                 continue
             start = time.perf_counter()
