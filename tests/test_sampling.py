@@ -81,3 +81,19 @@ def test_a_draw_over_many_blocks_follows_the_distribution_and_never_takes_an_imp
     likely = probs * counts.sum() >= 5
     expected = probs[likely] / probs[likely].sum() * counts[likely].sum()
     assert scipy_stats.chisquare(counts[likely], expected).pvalue > 0.001
+
+
+def test_a_plain_steps_draw_is_the_draw_from_the_warped_distribution_whatever_came_before():
+    """``next_token`` warps in a buffer its thread keeps: each draw equals one from a freshly built
+    distribution with the same generator state, across settings and vocabulary sizes."""
+    rng = np.random.default_rng(11)
+    for vocab, params in [
+        (3000, SamplingParams(temperature=1.0)),
+        (3000, SamplingParams(temperature=0.7, top_k=40)),
+        (500, SamplingParams(temperature=1.3, top_p=0.9)),
+        (3000, SamplingParams(temperature=1.0)),
+    ]:
+        logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
+        drawn, expected = np.random.default_rng(vocab), np.random.default_rng(vocab)
+        for _ in range(20):
+            assert next_token(logits, params, drawn) == sample(logits_to_probs(logits, params), expected)
