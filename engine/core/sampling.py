@@ -42,8 +42,10 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams, out: np.ndarray 
     # In place on one copy: a row of a 152k vocabulary is 1.2 MB in float64, and every temporary
     # of that size is mapped and faulted in afresh (engine.core.memory), 0.3-0.6 ms each: a
     # sampled row cost 3.5 ms, a quarter of an 8-row batched step beside it.
-    z = np.array(logits, dtype=np.float64) if out is None else out
-    if out is not None:
+    if out is None:
+        z = np.array(logits, dtype=np.float64)
+    else:
+        z = out
         np.copyto(z, logits)
     z -= z.max(-1, keepdims=True)
     z /= params.temperature  # (after the shift: no inf - inf at a tiny temperature)
