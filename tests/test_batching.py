@@ -233,6 +233,30 @@ def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_the
         assert final.token_ids == expected
 
 
+def test_first_rounds_that_start_together_read_the_shortest_prompt_first(shared, monkeypatch):
+    """A burst's first rounds run shortest read first (its users wait least in all), whatever the
+    order they arrived in; each answer is the one it gets alone."""
+    lengths = {"long": 20, "short": 1, "medium": 10}
+    requests = {
+        name: ask("Name a fruit. " + "Really, " * n, reuse_cache=False, client=name) for name, n in lengths.items()
+    }
+    solo = {name: alone(shared, r) for name, r in requests.items()}
+    firsts: list[str] = []  # whose first token, in the worker's order
+    put = shared.scheduler._put
+    monkeypatch.setattr(
+        shared.scheduler,
+        "_put",
+        lambda job, e: (e.kind == "delta" and job.client not in firsts and firsts.append(job.client)) or put(job, e),
+    )
+    with held(shared):
+        streams = {name: shared.generate(r) for name, r in requests.items()}
+    for name, stream in streams.items():
+        final, _ = finish(stream)
+        assert final.kind == "done", final.error
+        assert final.token_ids == solo[name]
+    assert firsts == ["short", "medium", "long"]
+
+
 def test_a_row_that_no_longer_batches_leaves_the_batch_for_its_own_cache_unharmed(shared, monkeypatch):
     """Rows batch while the widest is at most twice the shortest (no spread here): a shorter
     conversation joining mid-answer sends the widest row out of the batch, to its own cache, in

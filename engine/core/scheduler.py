@@ -302,8 +302,8 @@ class Scheduler:
     def _advance(self) -> None:
         """One iteration. Prompts with no chunk of their own to read are taken up at once (their
         rest is read by their first round). First rounds come first, each on the request's own
-        cache, so its user has a token as soon as its prompt is read (in the clients' turn they
-        started in: :class:`FairQueue`), not after every prompt that arrived with it. Then the
+        cache, so its user has a token as soon as its prompt is read, not after every prompt that
+        arrived with it: the shortest reads first, which keeps a burst's users waiting least in all. Then the
         shared work: one batched step of the requests that generate together (a request joins
         after its first round), or, where none batch, a round of each. Then side work, each piece
         serving one client: a slice of a long prompt, a round of a row that does not batch; while
@@ -325,7 +325,7 @@ class Scheduler:
         shared = [together] if together else [[j] for j in apart]
         side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
         start = time.perf_counter()
-        for job in first:
+        for job in sorted(first, key=lambda j: j.unread):
             self._guard([job], functools.partial(self._alone, job))
         for jobs in shared:
             work = functools.partial(self._together, jobs) if jobs is together else None
