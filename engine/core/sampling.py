@@ -33,8 +33,9 @@ def top_probability(logits: np.ndarray) -> float:
 
 
 def logits_to_probs(logits: np.ndarray, params: SamplingParams, out: np.ndarray | None = None) -> np.ndarray:
-    """Rows of logits [..., V] -> rows of probabilities after temperature, top-k and top-p
-    (written into ``out``, float64 of the logits' shape, where given)."""
+    """Rows of logits [..., V] -> rows of probabilities after temperature, top-k and top-p.
+    ``out`` (float64, the logits' shape), where given, is warped in place of a new copy; top-p
+    still returns a new array."""
     if params.greedy:
         probs = np.zeros(np.shape(logits), dtype=np.float64)
         np.put_along_axis(probs, np.argmax(logits, -1)[..., None], 1.0, axis=-1)

@@ -303,14 +303,14 @@ class Scheduler:
         """One iteration. Prompts with no chunk of their own to read are taken up at once (their
         rest is read by their first round). First rounds come first, each on the request's own
         cache, so its user has a token as soon as its prompt is read, not after every prompt that
-        arrived with it: the shortest reads first, which keeps a burst's users waiting least in all. Then the
+        arrived with it; the shortest read first, so a burst's users wait least in all. Then the
         shared work: one batched step of the requests that generate together (a request joins
         after its first round), or, where none batch, a round of each. Then side work, each piece
         serving one client: a slice of a long prompt, a round of a row that does not batch; while
         others generate it runs in its clients' share of the time (:class:`TimeShare`), the least
         served first, so one stranger's paste slows everyone else by a client's share, not by its
-        whole reading. A request that arrives meanwhile ends the side work of the iteration: it starts at
-        the next one, its first token not behind a slice (its share is kept: the credit stays)."""
+        whole reading. A request that arrives meanwhile ends the iteration's side work: it starts
+        at the next one, its first token not behind a slice (the paste keeps its credit)."""
         for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
             self._guard([job], functools.partial(self._read_prompt, job))
         generating = [j for j in self._serving if j.prefill is None]
