@@ -61,6 +61,45 @@ def test_top_p_applies_to_the_tempered_distribution():
     assert tempered[0] > 0.8 and probs.tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
+def nucleus_by_full_sort(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p as defined: every token sorted, most likely first (ties: the lower id first), kept
+    while the mass before it is below ``top_p``, then renormalized."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    ordered = np.take_along_axis(probs, order, -1)
+    drop = np.zeros(probs.shape, dtype=bool)
+    np.put_along_axis(drop, order, np.cumsum(ordered, -1) - ordered >= top_p, -1)
+    kept = np.where(drop, 0.0, probs)
+    return kept / kept.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 0.9), (1.0, 0.95), (1.5, 0.95), (1.0, 0.999), (2.0, 0.5)])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(temperature, top_p):
+    """Top-p sorts the likeliest tokens only where they hold the mass: the same tokens, the same
+    probabilities, as sorting the whole vocabulary, in every row (a batch's, or a verify pass's)."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 20_000)) * 4 - np.abs(rng.standard_normal((4, 20_000))) * 6
+    logits[:, rng.integers(0, 20_000, 40)] += 12  # a few likely tokens, a long tail
+    logits[1, 5000:5100] = logits[1, 5000]  # ties
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    warped = logits_to_probs(logits, params)
+    np.testing.assert_array_equal(
+        warped, nucleus_by_full_sort(logits_to_probs(logits, SamplingParams(temperature)), top_p)
+    )
+
+
+def test_top_p_sorts_every_token_when_the_likeliest_ones_do_not_hold_the_mass():
+    """One token of 0.94 and a tail of 200,000 tied ones, each below a millionth of it: top-p 0.99
+    needs part of the tail, the lowest ids first."""
+    logits = np.full(200_001, -15.0)
+    logits[7] = 0.0
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.99))
+    full = softmax(logits)
+    assert 0.9 < full[7] < 0.99
+    np.testing.assert_array_equal(probs, nucleus_by_full_sort(full, 0.99))
+    kept = np.flatnonzero(probs)
+    assert kept[0] == 0 and 7 in kept and kept[-1] < 200_000 and np.all(np.diff(kept) == 1)
+
+
 def test_samples_follow_the_warped_distribution():
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
     rng = np.random.default_rng(0)
