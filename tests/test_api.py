@@ -97,6 +97,32 @@ def test_a_bad_field_gets_400_naming_it(client, field, value, said):
     assert raised.value.status_code == 400 and said in raised.value.body["message"]
 
 
+def test_content_in_parts_and_a_developer_message_read_as_text_and_system(client):
+    """Editors and the ``openai`` client send content as a list of text parts, and newer ones a
+    ``developer`` message: the same answer as the plain strings."""
+    system = "Answer in one line."
+    plain = [{"role": "system", "content": system}, *CHAT]
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": system}]},
+        {"role": "user", "content": [{"type": "text", "text": "def add("}, {"type": "text", "text": "a, b):"}]},
+    ]
+    answers = [
+        client.chat.completions.create(model="tiny", messages=m, temperature=0, max_tokens=16)
+        .choices[0]
+        .message.content
+        for m in (plain, parts)
+    ]
+    assert answers[0] == answers[1] and answers[0]
+
+
+def test_an_image_part_gets_400_saying_only_text_is_read(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [image]}])
+    assert raised.value.status_code == 400 and "only text parts" in raised.value.body["message"]
+    assert "messages.0.content" in raised.value.body["message"]
+
+
 def test_models_and_health_describe_the_pair(client, served):
     assert [m.id for m in client.models.list()] == ["tiny"]
     health = httpx.get(f"{served}health")

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.requests import Event, Stream
 from engine.core.requests import Request as EngineRequest
@@ -36,9 +36,27 @@ MAX_QUEUE = 16  # requests waiting for or using the engine before new ones get 4
 
 
 class Message(BaseModel):
+    """A chat message. Its content may come as a list of parts, as the ``openai`` client and
+    editors send it: the text parts are joined, anything else is refused (these models read
+    text only). A ``developer`` message (OpenAI's newer name) is a system one."""
+
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def joined(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+        if kinds - {"text"}:
+            raise ValueError(f"only text parts are read here, not {', '.join(sorted(map(str, kinds - {'text'})))}")
+        return "".join(str(part.get("text", "")) for part in content)
+
+    def chat(self) -> dict[str, str]:
+        """The message as the engine's chat template takes it."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
 
 class StreamOptions(BaseModel):
@@ -65,7 +83,7 @@ class ChatCompletion(BaseModel):
     def engine_request(self, max_context: int) -> EngineRequest:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return EngineRequest(
-            messages=tuple(m.model_dump() for m in self.messages),
+            messages=tuple(m.chat() for m in self.messages),
             mode=self.mode,
             k=self.k,
             max_new_tokens=self.max_completion_tokens or self.max_tokens or max_context,
