@@ -83,15 +83,17 @@ def slow_reader(url: str, max_tokens: int) -> tuple[bool, str]:
 
 def disconnects(url: str, max_tokens: int) -> tuple[bool, str]:
     """Streams dropped after their first event, over and over."""
-    first = 0
+    first, refused = 0, []
     for _ in range(DROPS):
         response = stream(url, "10.0.0.3", ESSAY, TOKENS)
         try:
             if response.status_code == 200:
                 first += any(line.startswith("data: ") for line in response.iter_lines())
+            else:
+                refused.append(f"{response.status_code}: {response.read().decode()[:120]}")
         finally:
             response.close()
-    return first >= 1, f"{first} of {DROPS} dropped after their first event"
+    return first >= 1, f"{first} of {DROPS} dropped after their first event" + "".join(f"; {r}" for r in refused)
 
 
 def huge_prompt(url: str, max_tokens: int) -> tuple[bool, str]:

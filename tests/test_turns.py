@@ -21,7 +21,16 @@ from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
-from engine.core.turns import PUBLIC_LIMITS, RETRY_AFTER_S, ClientLimits, FairQueue, TimeShare
+from engine.core.turns import (
+    NO_LIMITS,
+    PUBLIC_LIMITS,
+    RETRY_AFTER_S,
+    ClientBusy,
+    ClientLedger,
+    ClientLimits,
+    FairQueue,
+    TimeShare,
+)
 
 
 def test_the_lines_are_taken_in_turn_one_request_per_client():
@@ -119,6 +128,26 @@ def test_a_client_over_its_limit_is_refused_for_now_and_nobody_else_is(shared_en
     assert all(next(e for e in s if e.final).kind == "done" for s in [*kept, other])
     again = shared_engine.generate(ask("greedy", 4))  # its earlier requests have finished
     assert next(e for e in again if e.final).kind == "done"
+
+
+def test_a_full_server_refuses_clients_that_hold_a_request_never_a_newcomer():
+    """Past the queue's cap in all, a client that already has a request waits its turn to ask again
+    (429 with Retry-After); one with none is taken, so others' load never refuses its first request
+    (a flood of strangers cannot lock a newcomer out). A stream whose reader went away no longer
+    counts; neither cap applies to a caller inside the process."""
+    ledger = ClientLedger(NO_LIMITS, queue_cap=3)
+    held = [ledger.admit(c) for c in ("a", "a", "b")]
+    with pytest.raises(ClientBusy, match="3 requests are waiting or running"):
+        ledger.admit("a")
+    newcomer = ledger.admit("c")
+    with pytest.raises(ClientBusy):
+        ledger.admit("b")
+    held[0]()  # (one of a's streams closed: 3 in all again, still at the cap)
+    with pytest.raises(ClientBusy):
+        ledger.admit("a")
+    newcomer()
+    ledger.admit("a")
+    ledger.admit("")  # (the bench or a test, in the process)
 
 
 def test_a_request_cancelled_while_it_waits_ends_at_once_and_frees_its_clients_place(shared_engine, monkeypatch):

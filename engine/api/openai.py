@@ -4,9 +4,9 @@ not), ``GET /v1/models`` and ``GET /health``.
 
 Requests go through the same engine queue as the web UI. Errors come in OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status a client expects:
-400 for a bad field, 401 for a wrong key, 429 when the queue is full, 503 when the engine is
-unhealthy. Two extensions pick the decoding: ``mode`` and ``k``; ``usage`` carries the
-speculative figures as well.
+400 for a bad field, 401 for a wrong key, 429 with ``Retry-After`` when the caller holds its
+share of the queue (``engine.core.turns``), 503 when the engine is unhealthy. Two extensions pick
+the decoding: ``mode`` and ``k``; ``usage`` carries the speculative figures as well.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-MAX_QUEUE = 16  # requests waiting for or using the engine before new ones get 429
 
 
 class Message(BaseModel):
@@ -138,15 +137,14 @@ def build_router(
     router = APIRouter()
 
     def refusal(http: Request) -> JSONResponse | None:
-        """A wrong key, a full queue or an unhealthy engine, answered before any work."""
+        """A wrong key or an unhealthy engine, answered before any work (a client over its share
+        is refused by the engine: 429 with ``Retry-After``)."""
         if api_key:
             given = http.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not secrets.compare_digest(given.encode(), api_key.encode()):
                 return error(401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_request_error")
         if not engine.healthy:
             return error(503, f"the engine is not ready ({engine.state}); try again later", "server_error")
-        if engine.pending >= MAX_QUEUE:
-            return error(429, f"{engine.pending} requests are waiting; try again shortly", "rate_limit_error")
         return None
 
     @router.get("/health")

@@ -21,6 +21,9 @@ from engine.errors import EngineError
 
 T = TypeVar("T")
 RETRY_AFTER_S = 5
+# Requests waiting or running in all past which a client that already has one is refused (a client
+# with none is always taken: others' load never refuses its first request).
+QUEUE_CAP = 16
 
 
 class ClientBusy(EngineError):
@@ -81,23 +84,30 @@ PUBLIC_LIMITS = ClientLimits(running=2, pending=4, stranger_input_tokens=4096, s
 
 class ClientLedger:
     """How many requests each client has waiting or running (thread-safe): the callers' threads
-    add, the engine's worker removes."""
+    add, the engine's worker removes. ``queue_cap``: requests in all past which a client that
+    already has one is refused (:data:`QUEUE_CAP`)."""
 
-    def __init__(self, limits: ClientLimits):
+    def __init__(self, limits: ClientLimits, queue_cap: int = QUEUE_CAP):
         self.limits = limits
+        self.queue_cap = queue_cap
         self._pending: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def admit(self, client: str) -> Callable[[], None]:
-        """Count a new request of ``client``, or refuse it where the client holds its limit; what
-        uncounts it, once, whoever calls it first: the engine when it ends, or the stream when its
-        reader goes away (the engine ends it at its next round; the client may ask again now)."""
+        """Count a new request of ``client``, or refuse it where the client holds its limit, or
+        holds any while the server holds :attr:`queue_cap` in all; what uncounts it, once,
+        whoever calls it first: the engine when it ends, or the stream when its reader goes away
+        (the engine ends it at its next round; the client may ask again now, and the count in
+        all no longer holds it)."""
         with self._lock:
-            if client and self.limits.pending and self._pending[client] >= self.limits.pending:
+            held, total = self._pending[client], sum(self._pending.values())
+            if client and self.limits.pending and held >= self.limits.pending:
                 raise ClientBusy(
-                    f"you already have {self._pending[client]} requests waiting or running, the most this server "
+                    f"you already have {held} requests waiting or running, the most this server "
                     f"takes from one client; try again when one has finished"
                 )
+            if client and held and total >= self.queue_cap:
+                raise ClientBusy(f"{total} requests are waiting or running on this server; try again shortly")
             self._pending[client] += 1
         released = threading.Event()
 
