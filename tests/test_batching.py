@@ -233,28 +233,64 @@ def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_the
         assert final.token_ids == expected
 
 
+def first_tokens_in_order(engine: Engine, monkeypatch, requests: dict[str, Request], then=None) -> list[str]:
+    """Start ``requests`` together (by name) and return the names in the order the worker gave
+    each its first token; each answer must equal its solo run. ``then(name)`` is called on the
+    worker as each first token is put."""
+    solo = {name: alone(engine, r) for name, r in requests.items()}
+    firsts: list[str] = []
+    streams: dict[str, Stream] = {}
+    put = engine.scheduler._put
+
+    def record(job, event: Event) -> None:
+        name = next(n for n, r in requests.items() if r.messages == job.request.messages)
+        if event.kind == "delta" and name not in firsts:
+            firsts.append(name)
+            if then is not None:
+                then(name, streams)
+        put(job, event)
+
+    monkeypatch.setattr(engine.scheduler, "_put", record)
+    with held(engine):
+        streams.update({name: engine.generate(r) for name, r in requests.items() if name != "later"})
+    deadline = time.monotonic() + 30
+    while len(streams) < len(requests) and time.monotonic() < deadline:  # (one ``then`` starts)
+        time.sleep(0.01)
+    for name, stream in list(streams.items()):
+        final, _ = finish(stream)
+        assert final.kind == "done", final.error
+        assert final.token_ids == solo[name], name
+    return firsts
+
+
+def fruit(n: int, client: str) -> Request:
+    return ask("Name a fruit. " + "Really, " * n, reuse_cache=False, client=client)
+
+
 def test_first_rounds_that_start_together_read_the_shortest_prompt_first(shared, monkeypatch):
     """A burst's first rounds run shortest read first (its users wait least in all), whatever the
     order they arrived in; each answer is the one it gets alone."""
-    lengths = {"long": 20, "short": 1, "medium": 10}
-    requests = {
-        name: ask("Name a fruit. " + "Really, " * n, reuse_cache=False, client=name) for name, n in lengths.items()
-    }
-    solo = {name: alone(shared, r) for name, r in requests.items()}
-    firsts: list[str] = []  # whose first token, in the worker's order
-    put = shared.scheduler._put
-    monkeypatch.setattr(
-        shared.scheduler,
-        "_put",
-        lambda job, e: (e.kind == "delta" and job.client not in firsts and firsts.append(job.client)) or put(job, e),
-    )
-    with held(shared):
-        streams = {name: shared.generate(r) for name, r in requests.items()}
-    for name, stream in streams.items():
-        final, _ = finish(stream)
-        assert final.kind == "done", final.error
-        assert final.token_ids == solo[name]
-    assert firsts == ["short", "medium", "long"]
+    requests = {name: fruit(n, name) for name, n in {"long": 20, "short": 1, "medium": 10}.items()}
+    assert first_tokens_in_order(shared, monkeypatch, requests) == ["short", "medium", "long"]
+
+
+def test_a_question_arriving_during_a_burst_of_first_rounds_waits_for_one_not_all(shared, monkeypatch):
+    """A question asked while a burst's first rounds run starts after the one under way (and, the
+    shortest, goes next), not after every first round of the burst."""
+    requests = {name: fruit(n, name) for name, n in {"long": 20, "short": 1, "medium": 10, "later": 0}.items()}
+
+    def ask_later(name: str, streams: dict[str, Stream]) -> None:
+        if name == "short":
+            streams["later"] = shared.generate(requests["later"])
+
+    assert first_tokens_in_order(shared, monkeypatch, requests, ask_later) == ["short", "later", "medium", "long"]
+
+
+def test_a_client_already_answering_waits_for_every_other_clients_first_round(shared, monkeypatch):
+    """Two requests of one client and one of another start together: once one of the first
+    client's has its first token, the other client's comes before its second, shorter or not."""
+    requests = {"a1": fruit(1, "a"), "a2": fruit(5, "a"), "b": fruit(15, "b")}
+    assert first_tokens_in_order(shared, monkeypatch, requests) == ["a1", "b", "a2"]
 
 
 def test_a_row_that_no_longer_batches_leaves_the_batch_for_its_own_cache_unharmed(shared, monkeypatch):

@@ -120,6 +120,8 @@ class Scheduler:
         self._batch = Batch(self.target)
         self._serving: list[_Job] = []  # started, not finished (worker thread only)
         self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
+        # Tool jobs that arrived inside an iteration, kept for the next one (worker thread only).
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._waiting: FairQueue[_Job] = FairQueue(lambda job: job.client)  # in line (worker thread only)
         self._clients = clients
         self._share = TimeShare(most_s=SLICE_S)
@@ -185,13 +187,14 @@ class Scheduler:
             except BaseException:  # a failure outside any request's handling: log it, keep serving
                 log.exception("the scheduler failed outside a request's handling")
 
-    def _admit(self) -> None:
+    def _admit(self, within: bool = False) -> None:
         """Put what arrived in line (waiting for something when idle) and run the queued tool jobs
-        (:meth:`call`); then start waiting requests while there is room, taking the
-        clients' lines in turn (:mod:`engine.core.turns`), each within its client's running limit
-        and the memory budget (a client's second request at once only while places are spare). One
-        that does not fit keeps its turn; one cancelled while it waited ends at once."""
-        self._collect(block=not self._serving and not self._waiting)
+        (:meth:`call`; ``within`` an iteration, they wait for the next one); then start waiting
+        requests while there is room, taking the clients' lines in turn (:mod:`engine.core.turns`),
+        each within its client's running limit and the memory budget (a client's second request at
+        once only while places are spare). One that does not fit keeps its turn; one cancelled
+        while it waited ends at once."""
+        self._collect(block=not (within or self._serving or self._waiting), calls=not within)
         for dropped in self._waiting.drop(lambda j: j.cancel.is_set()):  # (its client's count falls now)
             self._finish(dropped, "cancelled")
         running = collections.Counter(job.client for job in self._serving)
@@ -213,7 +216,11 @@ class Scheduler:
             running[job.client] += 1
             self._start(job)
 
-    def _collect(self, block: bool) -> None:
+    def _collect(self, block: bool, calls: bool) -> None:
+        """Put the requests that arrived in line, and run the tool jobs among them in turn, or,
+        where not ``calls``, keep those for the next time (after what was kept before)."""
+        while calls and self._calls:
+            self._call(self._calls.popleft())
         while True:
             try:
                 item = self._jobs.get(block=block)
@@ -222,10 +229,15 @@ class Scheduler:
             block = False
             if isinstance(item, _Job):
                 self._waiting.put(item)
+            elif calls:
+                self._call(item)
             else:
-                with self._busy:
-                    self._progress_at = time.monotonic()
-                    item()
+                self._calls.append(item)
+
+    def _call(self, job: Callable[[], None]) -> None:
+        with self._busy:
+            self._progress_at = time.monotonic()
+            job()
 
     # -- the requests served (worker thread) ------------------------------------------------
     def _start(self, job: _Job) -> None:
@@ -300,10 +312,8 @@ class Scheduler:
         return chosen
 
     def _advance(self) -> None:
-        """One iteration. Prompts with no chunk of their own to read are taken up at once (their
-        rest is read by their first round). First rounds come first, each on the request's own
-        cache, so its user has a token as soon as its prompt is read, not after every prompt that
-        arrived with it; the shortest read first, so a burst's users wait least in all. Then the
+        """One iteration. First rounds come first (:meth:`_first_rounds`), so a user has a token
+        as soon as the prompt is read, not after every prompt that arrived with it. Then the
         shared work: one batched step of the requests that generate together (a request joins
         after its first round), or, where none batch, a round of each. Then side work, each piece
         serving one client: a slice of a long prompt, a round of a row that does not batch; while
@@ -311,10 +321,9 @@ class Scheduler:
         served first, so one stranger's paste slows everyone else by a client's share, not by its
         whole reading. A request that arrives meanwhile ends the iteration's side work: it starts
         at the next one, its first token not behind a slice (the paste keeps its credit)."""
-        for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
-            self._guard([job], functools.partial(self._read_prompt, job))
+        self._read_short_prompts()
         generating = [j for j in self._serving if j.prefill is None]
-        first = [j for j in generating if j.stats.rounds == 0]  # what their users wait for
+        first = any(j.stats.rounds == 0 for j in generating)
         going = [j for j in generating if j.stats.rounds > 0]
         # (while others start beside it, a lone row of the batch stays in it: alone, it would
         # leave and its draft re-read the conversation, only to join again next iteration)
@@ -323,14 +332,13 @@ class Scheduler:
             together = []
         apart = [j for j in going if j not in together]
         shared = [together] if together else [[j] for j in apart]
-        side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
         start = time.perf_counter()
-        for job in sorted(first, key=lambda j: j.unread):
-            self._guard([job], functools.partial(self._alone, job))
+        served = self._first_rounds()
         for jobs in shared:
             work = functools.partial(self._together, jobs) if jobs is together else None
             self._guard(jobs, work or functools.partial(self._alone, jobs[0]))
-        served = {j.client for j in first} | {j.client for jobs in shared for j in jobs}
+        side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
+        served |= {j.client for jobs in shared for j in jobs}
         if served:
             self._share.shared(time.perf_counter() - start, len(served))
         else:
@@ -349,6 +357,31 @@ class Scheduler:
             job.side_s += took
             if served:  # (alone, it owes no one)
                 self._share.spend(took)
+
+    def _read_short_prompts(self) -> None:
+        """Take up the prompts with no chunk of their own to read (their first round reads the rest)."""
+        for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
+            self._guard([job], functools.partial(self._read_prompt, job))
+
+    def _first_rounds(self) -> set[str]:
+        """The first rounds due, one at a time, each on its request's own cache; the clients
+        served. After each, what arrived meanwhile is started, so a question asked during a burst
+        of first rounds waits for the one under way, not for all of them. The next is that of the
+        client with the fewest requests already answering (a client with one answering waits for
+        every other client's first token), the shortest read among them (a burst's users wait least
+        in all). At most :attr:`max_batch` of them: a stream of arrivals does not hold the step back."""
+        served: set[str] = set()
+        for _ in range(self.max_batch):
+            due = [j for j in self._serving if j.prefill is None and j.stats.rounds == 0]
+            if not due:
+                break
+            answering = collections.Counter(j.client for j in self._serving if j.stats.rounds > 0)
+            job = min(due, key=lambda j: (answering[j.client], j.unread))
+            self._guard([job], functools.partial(self._alone, job))
+            served.add(job.client)
+            self._admit(within=True)
+            self._read_short_prompts()
+        return served
 
     def _read_prompt(self, job: _Job, sliced: bool = False) -> None:
         """A pass of ``job``'s prompt: a whole chunk, or (``sliced``, while others generate) one
