@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 
 .PHONY: setup run test test-slow test-fast lint mutants chaos loadtest scaleout screenshots footer-speedup prepare bench \
-	bench-peers ceiling llama-cpp paper report chromium clean
+	bench-peers ceiling llama-cpp paper quality chromium clean
 
 setup: $(VENV)/.installed
 
@@ -90,8 +90,10 @@ ceiling: setup
 paper: setup
 	$(PY) -m benchmarks.paper $(ARGS)
 
-report: setup
-	$(PY) -m benchmarks.quant_report $(ARGS)
+# How faithful the target is to the model in its file: agreement, perplexity (llama-perplexity as
+# the cross-check) and HumanEval problems solved beside plain llama.cpp on the same GGUF.
+quality: setup llama-cpp prepare
+	$(PY) -m benchmarks.fidelity --llamacpp --json bench-results/fidelity.json --table bench-results/fidelity.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results

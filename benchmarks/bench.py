@@ -215,14 +215,15 @@ def compare_to_ar(engine: Engine, prompt_ids: list[int], ar: Run, run: Run) -> N
     run.divergence = {"index": index, "top2_margin": margin, "near_tie": margin < NEAR_TIE}
 
 
-def summarize(runs: list[Run]) -> list[dict]:
+def summarize(runs: list[Run], baseline: str = "ar") -> list[dict]:
+    """One row of figures per mode; speedups against the ``baseline`` mode."""
     modes = list(dict.fromkeys(r.mode for r in runs))
     by_mode = {m: [r for r in runs if r.mode == m] for m in modes}
 
     def seconds_per_token(rs: list[Run]) -> float:
         return sum(r.wall_s for r in rs) / sum(r.new_tokens for r in rs)
 
-    ar = seconds_per_token(by_mode["ar"]) if "ar" in by_mode else None
+    ar = seconds_per_token(by_mode[baseline]) if baseline in by_mode else None
     rows = []
     for mode, rs in by_mode.items():
         drafted = sum(r.drafted for r in rs)

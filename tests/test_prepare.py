@@ -278,19 +278,19 @@ class FailedRun:
 @pytest.mark.parametrize(
     "flags, env, expected",
     [
-        ([], None, "int4"),
-        (["--quality"], None, "int8"),
-        ([], "1", "int8"),
-        (["--target-precision", "fp16"], None, "fp16"),
+        ([], None, "int8"),
+        ([], "int4", "int4"),
+        (["--target-precision", "fp16"], "int4", "fp16"),
     ],
 )
-def test_the_quality_preset_asks_for_an_int8_target(monkeypatch, flags, env, expected):
+def test_the_target_is_int8_unless_asked_and_the_draft_int4(monkeypatch, flags, env, expected):
     import argparse
 
     if env is None:
-        monkeypatch.delenv("SPECCHAT_QUALITY", raising=False)
+        monkeypatch.delenv("SPECCHAT_TARGET_PRECISION", raising=False)
     else:
-        monkeypatch.setenv("SPECCHAT_QUALITY", env)
+        monkeypatch.setenv("SPECCHAT_TARGET_PRECISION", env)
+    monkeypatch.delenv("SPECCHAT_DRAFT_PRECISION", raising=False)
     parser = argparse.ArgumentParser()
     prepare.add_model_arguments(parser)
     asked = {}

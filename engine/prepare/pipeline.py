@@ -26,9 +26,10 @@ from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, exp
 from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
-# The target's weights under --quality: top-1 agreement with fp16 0.997 against int4's 0.939
-# (docs/benchmarks.md, "What each precision costs").
-QUALITY_PRECISION = "int8"
+# The target answers as the model in the file: int8 agrees with it on the next token where int4
+# (data-free or data-aware) does not (docs/benchmarks.md, "Faithful to the file"). The draft's
+# rounding changes only how many drafts land, never the answer, so it stays as cheap as int4 makes it.
+DEFAULT_PRECISION = {"target": "int8", "draft": "int4"}
 # A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
 PERSISTENT_STORAGE = Path("/data")
 
@@ -278,17 +279,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         variable = f"SPECCHAT_{role.upper()}_PRECISION"
         parser.add_argument(
             f"--{role}-precision",
-            default=os.environ.get(variable, "int4"),
+            default=os.environ.get(variable, DEFAULT_PRECISION[role]),
             choices=PRECISIONS,
-            help=f"weights of the {role} (default: ${variable} or int4)",
+            help=f"weights of the {role} (default: ${variable} or {DEFAULT_PRECISION[role]})",
         )
-    parser.add_argument(
-        "--quality",
-        action="store_true",
-        default=os.environ.get("SPECCHAT_QUALITY") == "1",
-        help="the quality preset: an int8 target (sets --target-precision int8), speculation making up the speed "
-        "(docs/benchmarks.md, 'The quality preset'; default: $SPECCHAT_QUALITY=1)",
-    )
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
     parser.add_argument(
@@ -320,6 +314,11 @@ def draft_compression(
     return Compression(precision, group_size, ratio, all_layers=precision == "int4", sym=sym)
 
 
+def default_compressions() -> dict[str, Compression]:
+    """What ``python -m engine.prepare`` without flags builds, by role."""
+    return {"target": Compression(DEFAULT_PRECISION["target"]), "draft": draft_compression(DEFAULT_PRECISION["draft"])}
+
+
 def compression_from_args(args: argparse.Namespace, role: str, precision: str) -> Compression:
     """The compression the flags ask for, for the ``target`` or the ``draft``."""
     if role == "draft":
@@ -336,7 +335,7 @@ def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, Prepared
     return prepare_pair(
         args.target,
         args.draft,
-        compression_from_args(args, "target", QUALITY_PRECISION if args.quality else args.target_precision),
+        compression_from_args(args, "target", args.target_precision),
         compression_from_args(args, "draft", args.draft_precision),
         cache_dir,
     )

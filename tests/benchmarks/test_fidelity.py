@@ -1,0 +1,58 @@
+"""The fidelity benchmark's measures: perplexity as llama-perplexity scores it, and the functional
+check's verdicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.fidelity import CHUNK, log_softmax, passes, perplexity, problems, program
+from engine.core.runtime import EXACT_CONFIG, Runtime
+
+
+def test_perplexity_scores_the_second_half_of_each_chunk_read_fresh(long_target):
+    model = Runtime(long_target, config=EXACT_CONFIG)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.vocab_size, 2 * CHUNK + 100).tolist()  # two whole chunks; the rest is left out
+    nll, count = 0.0, 0
+    for chunk in (ids[:CHUNK], ids[CHUNK : 2 * CHUNK]):
+        model.reset()
+        for position, token in enumerate(chunk[:-1]):  # one token at a time, predicting the next
+            logp = log_softmax(model.forward([token]))[-1]
+            if position >= CHUNK // 2:
+                nll, count = nll - logp[chunk[position + 1]], count + 1
+    assert count == 2 * (CHUNK // 2 - 1)
+    assert perplexity(model, ids) == pytest.approx(float(np.exp(nll / count)), rel=1e-4)
+
+
+SOLUTION = """def has_close_elements(numbers, threshold):
+    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])
+"""
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (f"Here it is:\n\n```python\n{SOLUTION}```\n\nIt compares every pair.", True),
+        ("    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])\n", True),
+        ("```python\ndef has_close_elements(numbers, threshold):\n    return False\n```", False),
+        ("```python\ndef has_close_elements(numbers, threshold):\n    while True:\n        pass\n```", False),
+        ("I cannot help with that.", False),
+    ],
+    ids=["code block", "body only", "wrong", "never ends", "no code"],
+)
+def test_an_answer_passes_only_where_its_code_passes_the_problems_tests(answer, expected):
+    problem = problems(164)[0]
+    assert problem.entry_point == "has_close_elements"
+    assert passes(problem, answer) is expected
+
+
+def test_an_answer_with_the_whole_function_gets_the_prompts_imports():
+    problem = problems(164)[0]
+    code = program(problem, f"```python\n{SOLUTION}```")
+    assert code.startswith("from typing import List\n") and code.count("def has_close_elements") == 1
+
+
+def test_problems_are_spread_over_the_set():
+    chosen = problems(41)
+    assert len(chosen) == 41 and chosen[1].task_id == "HumanEval/4"
