@@ -184,8 +184,8 @@ MUTATIONS = [
     Mutation(
         "the chat ignores its mode",
         "ui/streaming.py",
-        "mode=mode,\n        k=whole(k),",
-        'mode="autoregressive",\n        k=whole(k),',
+        "mode=settings.mode,\n        k=settings.k,",
+        'mode="autoregressive",\n        k=settings.k,',
         "the mode radio does nothing",
         "tests/ui/test_chat.py",
     ),

@@ -1,6 +1,7 @@
 """The chat tab: its layout, the handlers that stream an answer into it (small functions that
-``yield``), and their wiring. Each handler streams into the chat outputs: the message box, the
-chat, the turns, the metrics panel, the metrics, the plot and the compact metrics line (phones).
+``yield``), and their wiring. Each handler streams updates of the chat outputs by name
+(:class:`ChatUpdate`): the message box, the chat, the turns, the metrics panel, the metrics, the
+plot and the compact metrics line (phones).
 
 Handlers run concurrently and the engine serves their requests in arrival order, so a bad
 request is answered at once, never after the answers ahead of it; a waiting user sees how many
@@ -14,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
@@ -32,6 +33,10 @@ from ui.render import (
     turn_of,
 )
 from ui.sidebar import Sidebar
+from ui.streaming import SKIP, Settings, Skip
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass
@@ -45,6 +50,19 @@ class ChatTab:
     send: gr.Button
     stop: gr.Button
     clear: gr.Button
+
+
+class ChatUpdate(NamedTuple):
+    """What an answer streams into, by name: each field updates the component of its name in the
+    chat tab or the sidebar (:func:`outputs`); a field left at ``SKIP`` leaves it as it is."""
+
+    message: str | Skip = SKIP  # the message box
+    chatbot: list[dict] | Skip = SKIP  # the chat as drawn
+    turns: list[dict] | Skip = SKIP  # the conversation as kept
+    metrics_panel: str | Skip = SKIP  # the figures' cards
+    metrics_json: dict | Skip = SKIP  # the figures
+    tps_plot: pd.DataFrame | Skip | None = SKIP  # tokens/s while streaming
+    metrics_line: str | Skip = SKIP  # the compact figures line (phones)
 
 
 def create_ui(engine: EngineClient, examples: list[dict]) -> ChatTab:
@@ -116,7 +134,16 @@ class Answers:
                 if session is not None and self._stops.get(session) is stop:
                     del self._stops[session]
 
-    def answer(self, request: gr.Request | None, turns, colour, settings, system, box, continuing=False):
+    def answer(
+        self,
+        request: gr.Request | None,
+        turns: list[dict],
+        colour: bool,
+        settings: Settings,
+        system: str,
+        box: str | Skip,
+        continuing: bool = False,
+    ) -> Iterator[ChatUpdate]:
         """:func:`stream_answer` for the chat's handlers (which take this object first, as
         ``answers``), with the session's Stop flag."""
         with self.answering(request) as stop:
@@ -131,16 +158,43 @@ class Answers:
             stop.set()
 
 
+# The answering handlers take the chat's inputs: the turns, the colour checkbox, the sidebar's
+# settings (as Settings.from_form takes them) and the system prompt.
 def respond(
-    answers, message, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request
-):
+    answers: Answers,
+    message: str | None,
+    turns: list[dict],
+    colour: bool,
+    mode: str,
+    k: float,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: float,
+    seed: float | None,
+    system: str,
+    request: gr.Request,
+) -> Iterator[ChatUpdate]:
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
     turns = [*turns, {"role": "user", "content": message or ""}]
-    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
+    settings = Settings.from_form(
+        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
+    )
     yield from answers.answer(request, turns, colour, settings, system, box="")
 
 
-def retry(answers, turns, colour, mode, k, temperature, top_p, max_new_tokens, seed, system, request: gr.Request):
+def retry(
+    answers: Answers,
+    turns: list[dict],
+    colour: bool,
+    mode: str,
+    k: float,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: float,
+    seed: float | None,
+    system: str,
+    request: gr.Request,
+) -> Iterator[ChatUpdate]:
     """Drop the last answer and ask the last user message again (the chat's retry button)."""
     users = [i for i, t in enumerate(turns) if t["role"] == "user"]
     if not users:
@@ -148,36 +202,67 @@ def retry(answers, turns, colour, mode, k, temperature, top_p, max_new_tokens, s
         return
     last = users[-1]
     turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
-    settings = (mode, k, temperature, top_p, max_new_tokens, seed)
-    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip())
+    settings = Settings.from_form(
+        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
+    )
+    yield from answers.answer(request, turns, colour, settings, system, box=SKIP)
 
 
-def edit(answers, edited: gr.EditData, request: gr.Request, turns, colour, *chat):
-    """A user message edited in the chat: the conversation goes on from it, answered again.
-    ``chat``: the settings, then the system prompt (the inputs of every answering event)."""
+def edit(
+    answers: Answers,
+    edited: gr.EditData,
+    request: gr.Request,
+    turns: list[dict],
+    colour: bool,
+    mode: str,
+    k: float,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: float,
+    seed: float | None,
+    system: str,
+) -> Iterator[ChatUpdate]:
+    """A user message edited in the chat: the conversation goes on from it, answered again."""
     at = turn_of(turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
     turns = [*turns[:at], {"role": "user", "content": str(edited.value)}]
-    *settings, system = chat
-    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip())
+    settings = Settings.from_form(
+        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
+    )
+    yield from answers.answer(request, turns, colour, settings, system, box=SKIP)
 
 
-def undo(turns, colour, undone: gr.UndoData):
+def undo(turns: list[dict], colour: bool, undone: gr.UndoData) -> ChatUpdate:
     """The chat's undo: the last message and its answer go; the message returns to the box."""
     at = turn_of(turns, undone.index)  # type: ignore[arg-type]
-    return turns[at]["content"], render_chat(turns[:at], colour), turns[:at]
+    return ChatUpdate(message=turns[at]["content"], chatbot=render_chat(turns[:at], colour), turns=turns[:at])
 
 
-def chosen_option(answers, chosen: gr.SelectData, request: gr.Request, turns, colour, *chat):
+def chosen_option(
+    answers: Answers,
+    chosen: gr.SelectData,
+    request: gr.Request,
+    turns: list[dict],
+    colour: bool,
+    mode: str,
+    k: float,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: float,
+    seed: float | None,
+    system: str,
+) -> Iterator[ChatUpdate]:
     """An option under an answer was clicked: Continue is the one there is. It extends the last
     answer, cut by its cap or a Stop, from where it stopped (its tokens are in the session's KV
-    caches: only the last is read again). ``chat``: as :func:`edit` takes it."""
+    caches: only the last is read again)."""
     if chosen.value != CONTINUE and not (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
         return
     if not turns or not cut(turns[-1]):
         gr.Warning("Nothing to continue: the last answer was not cut short.")
         return
-    *settings, system = chat
-    yield from answers.answer(request, turns, colour, settings, system, box=gr.skip(), continuing=True)
+    settings = Settings.from_form(
+        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
+    )
+    yield from answers.answer(request, turns, colour, settings, system, box=SKIP, continuing=True)
 
 
 def clipped(text: str, keep: int = 2000) -> str:
@@ -187,15 +272,15 @@ def clipped(text: str, keep: int = 2000) -> str:
 
 def stream_answer(
     engine: EngineClient,
-    turns,
-    colour,
-    settings,
-    system,
-    box,
-    continuing=False,
+    turns: list[dict],
+    colour: bool,
+    settings: Settings,
+    system: str,
+    box: str | Skip,
+    continuing: bool = False,
     stop: threading.Event | None = None,
     client: str = "",
-):
+) -> Iterator[ChatUpdate]:
     """Answer the last user turn (or, ``continuing``, extend the last answer); while a long
     message is read, say how far in the answer's place. ``stop`` set (Stop): the answer ends as
     far as it came, marked ``cancelled`` so that Continue can extend it. Closing this generator
@@ -209,7 +294,7 @@ def stream_answer(
         turns = [*turns, answer]
     request = streaming.make_request(
         streaming.conversation(turns[:-1], system),
-        *settings,
+        settings,
         context=engine.max_context,
         answer_ids=answer["token_ids"],
         client=client,
@@ -221,7 +306,9 @@ def stream_answer(
         if engine.full:  # a place in the queue is news only when the engine is full
             place = max(engine.waiting, 1)
             waiting = f'<div class="metrics empty">The engine is full: you are number {place} in the queue.</div>'
-            yield box, render_chat(turns, colour), turns, waiting, {}, gr.skip(), gr.skip()
+            yield ChatUpdate(
+                message=box, chatbot=render_chat(turns, colour), turns=turns, metrics_panel=waiting, metrics_json={}
+            )
         drawn_at = 0.0
         for event in events.waiting(streaming.HEARTBEAT_S):
             if stop is not None and stop.is_set():
@@ -229,10 +316,17 @@ def stream_answer(
                     answer["metrics"] = {**answer["metrics"], "finish_reason": "cancelled"}
                     yield drawn(box, turns, answer, colour, "stopped", throughput.plot(final=True))
                 elif placeholder:  # (stopped while the message was read: it stays, unanswered)
-                    yield box, render_chat(turns[:-1], colour), turns[:-1], metrics_html({}), {}, gr.skip(), ""
+                    yield ChatUpdate(
+                        message=box,
+                        chatbot=render_chat(turns[:-1], colour),
+                        turns=turns[:-1],
+                        metrics_panel=metrics_html({}),
+                        metrics_json={},
+                        metrics_line="",
+                    )
                 return
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
-                yield (gr.skip(),) * 7
+                yield ChatUpdate()
                 continue
             if event.kind == "progress":
                 if time.monotonic() - drawn_at >= streaming.REDRAW_S:
@@ -260,38 +354,55 @@ def stream_answer(
         events.close()
 
 
-def drawn(box, turns: list[dict], answer: dict, colour: bool, status: str, plot, metrics: dict | None = None) -> tuple:
+def drawn(
+    box: str | Skip,
+    turns: list[dict],
+    answer: dict,
+    colour: bool,
+    status: str,
+    plot: pd.DataFrame | Skip | None,
+    metrics: dict | None = None,
+) -> ChatUpdate:
     """The chat outputs with ``answer`` as the last turn (``metrics``: the figures to show, by
     default the answer's own)."""
     metrics = answer.get("metrics", {}) if metrics is None else metrics
     # A copy: Gradio keeps what is yielded by reference, and this answer grows on.
     shown = [*turns[:-1], {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}]
-    return (
-        box,
-        render_chat(shown, colour),
-        shown,
-        metrics_html(metrics, status),
-        metrics,
-        plot,
-        footer_line(metrics),
+    return ChatUpdate(
+        message=box,
+        chatbot=render_chat(shown, colour),
+        turns=shown,
+        metrics_panel=metrics_html(metrics, status),
+        metrics_json=metrics,
+        tps_plot=plot,
+        metrics_line=footer_line(metrics),
     )
 
 
-def clear_chat():
-    return "", [], [], metrics_html({}), {}, None, ""
+def clear_chat() -> ChatUpdate:
+    """Clear: an empty message box, chat and panel."""
+    return ChatUpdate(
+        message="",
+        chatbot=[],
+        turns=[],
+        metrics_panel=metrics_html({}),
+        metrics_json={},
+        tps_plot=None,
+        metrics_line="",
+    )
 
 
-def bound(fn: Callable, *leading: object) -> Callable:
+def bound(fn: Callable[..., Any], *leading: object) -> Callable[..., Any]:
     """``partial(fn, *leading)`` as Gradio can read it: Gradio finds the parameters that take an
     event's data (``gr.EditData``...) or its request (``gr.Request``) by their type hints, which a
     partial hides."""
     if inspect.isgeneratorfunction(fn):
 
-        def handler(*args):
+        def handler(*args: Any) -> Any:
             yield from fn(*leading, *args)
     else:
 
-        def handler(*args):
+        def handler(*args: Any) -> Any:
             return fn(*leading, *args)
 
     parameters = list(inspect.signature(fn).parameters.values())[len(leading) :]
@@ -303,8 +414,8 @@ def bound(fn: Callable, *leading: object) -> Callable:
 
 # -- wiring -----------------------------------------------------------------------------------
 def outputs(chat: ChatTab, sidebar: Sidebar) -> list[gr.components.Component]:
-    """What an answer streams into (the handlers' order)."""
-    return [chat.message, chat.chatbot, chat.turns, *sidebar.panels, chat.metrics_line]
+    """What an answer streams into: the components a :class:`ChatUpdate` names, in its order."""
+    return streaming.components_named(ChatUpdate._fields, chat, sidebar)
 
 
 def wire(answers: Answers, chat: ChatTab, sidebar: Sidebar, saved: dict[str, Any]) -> list:
@@ -333,9 +444,7 @@ def wire(answers: Answers, chat: ChatTab, sidebar: Sidebar, saved: dict[str, Any
     for event in chat_events:
         event.then(**saved, **private)
     chat.stop.click(answers.stop, None, None, **private)
-    chat.chatbot.undo(undo, [chat.turns, chat.colour], [chat.message, chat.chatbot, chat.turns], **private).then(
-        **saved, **private
-    )
+    chat.chatbot.undo(undo, [chat.turns, chat.colour], chat_out, **private).then(**saved, **private)
     chat.clear.click(
         clear_chat, None, chat_out, cancels=chat_events, api_name="clear", queue=False, show_progress="hidden"
     ).then(**saved, **private)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import bisect
 import html
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import gradio as gr
 import pandas as pd
@@ -21,6 +22,7 @@ from engine.report import PAPER_COLUMNS, markdown_table, speedup
 from ui import streaming
 from ui.render import seconds
 from ui.sidebar import Sidebar
+from ui.streaming import SKIP, Settings, Skip
 
 SIDES = ("left", "right")  # the two runs
 RACE_FRAME_S = 0.1  # the race's redraw period
@@ -37,14 +39,30 @@ class CompareTab:
     run_table: gr.Button
     stop: gr.Button
     verdict: gr.HTML
-    texts: list[gr.Markdown]  # per side
-    stats: list[gr.Markdown]  # per side
+    left_text: gr.Markdown
+    right_text: gr.Markdown
+    left_stats: gr.Markdown
+    right_stats: gr.Markdown
     runs: gr.State  # both runs as measured, for the race
     speed_bars: gr.BarPlot
     table: gr.Markdown
 
 
+class CompareUpdate(NamedTuple):
+    """What a comparison streams into, by name: each field updates the component of its name in
+    the tab; a field left at ``SKIP`` leaves it as it is."""
+
+    left_text: str | Skip = SKIP
+    right_text: str | Skip = SKIP
+    left_stats: str | Skip = SKIP
+    right_stats: str | Skip = SKIP
+    verdict: str | Skip = SKIP
+    speed_bars: pd.DataFrame | Skip | None = SKIP
+    runs: dict | Skip = SKIP
+
+
 def create_ui(engine: EngineClient, examples: list[dict]) -> CompareTab:
+    """The tab's layout (``examples``: [{"label", "prompt"}])."""
     gr.Markdown(
         "One prompt in two modes, one after the other on the same engine (fresh caches each), "
         "then both answers race side by side at the pace each was measured at. Other settings "
@@ -62,12 +80,9 @@ def create_ui(engine: EngineClient, examples: list[dict]) -> CompareTab:
         run_table = gr.Button("Paper table (N = 40, 100; greedy)")
         stop = gr.Button("Stop", variant="stop")
     verdict = gr.HTML(elem_id="verdict")
-    texts, stats = [], []
     with gr.Row(equal_height=True):
-        for side in SIDES:
-            with gr.Column():
-                texts.append(gr.Markdown(height=320, container=True, latex_delimiters=[], elem_id=f"{side}-text"))
-                stats.append(gr.Markdown(elem_id=f"{side}-stats"))
+        left_text, left_stats = _side("left")
+        right_text, right_stats = _side("right")
     runs = gr.State({})
     speed_bars = gr.BarPlot(None, x="run", y="tokens_per_s", color="run", height=220, title="tokens/s", y_lim=[0, None])
     table = gr.Markdown(elem_id="paper-table")
@@ -86,12 +101,22 @@ def create_ui(engine: EngineClient, examples: list[dict]) -> CompareTab:
         run_table,
         stop,
         verdict,
-        texts,
-        stats,
+        left_text,
+        right_text,
+        left_stats,
+        right_stats,
         runs,
         speed_bars,
         table,
     )
+
+
+def _side(side: str) -> tuple[gr.Markdown, gr.Markdown]:
+    """A side's column: its answer, then its figures."""
+    with gr.Column():
+        text = gr.Markdown(height=320, container=True, latex_delimiters=[], elem_id=f"{side}-text")
+        stats = gr.Markdown(elem_id=f"{side}-stats")
+    return text, stats
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -140,26 +165,31 @@ def speed_frame(runs: dict) -> pd.DataFrame:
 
 def compare(
     engine: EngineClient,
-    prompt,
-    left,
-    right,
-    k,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
-    system="",
+    prompt: str,
+    left: str,
+    right: str,
+    k: float,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: float,
+    seed: float | None,
+    system: str = "",
     page: gr.Request | None = None,
-):
+) -> Iterator[CompareUpdate]:
     """The prompt in the ``left`` mode, then in the ``right`` one, each with fresh caches (both
     stream); then both answers race side by side at their measured pace."""
     messages = streaming.conversation([{"role": "user", "content": prompt}], system)
-    settings = (k, temperature, top_p, max_new_tokens, seed)
     client = streaming.client_of(page)
     requests = {
         side: replace(
             streaming.make_request(
-                messages, mode, *settings, context=engine.max_context, reuse_cache=False, client=client
+                messages,
+                Settings.from_form(
+                    mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
+                ),
+                context=engine.max_context,
+                reuse_cache=False,
+                client=client,
             ),
             pooled=False,  # (the second side would copy the first's answer from the pool)
         )
@@ -174,7 +204,14 @@ def compare(
             engine.check(request)
     except EngineError as exc:
         gr.Warning(str(exc))
-        yield "", f"⚠️ **Could not answer:** {exc}", "", "", "", None, gr.skip()
+        yield CompareUpdate(
+            left_text="",
+            right_text=f"⚠️ **Could not answer:** {exc}",
+            left_stats="",
+            right_stats="",
+            verdict="",
+            speed_bars=None,
+        )
         return
     for side, request in requests.items():
         run, drawn_at = runs[side], 0.0
@@ -182,12 +219,12 @@ def compare(
         try:
             for event in events.waiting(streaming.HEARTBEAT_S):
                 if event is None:
-                    yield (gr.skip(),) * 7
+                    yield CompareUpdate()
                     continue
                 if event.kind == "error":
                     gr.Warning(event.error)
                     run["text"] = f"⚠️ **Could not answer:** {event.error}"
-                    yield *compare_frame(runs, temperature), gr.skip()
+                    yield compare_frame(runs, temperature)
                     return
                 run["text"] += event.text
                 run["metrics"] = event.metrics
@@ -195,20 +232,26 @@ def compare(
                 run["token_ids"], run["final"] = event.token_ids, event.final
                 if event.final or time.monotonic() - drawn_at >= streaming.REDRAW_S:
                     drawn_at = time.monotonic()
-                    yield *compare_frame(runs, temperature), gr.skip()
+                    yield compare_frame(runs, temperature)
         finally:
             events.close()
-    yield from ((*frame, runs) for frame in race(runs, temperature))
+    yield from (frame._replace(runs=runs) for frame in race(runs, temperature))
 
 
-def compare_frame(runs: dict, temperature: float) -> tuple:
+def compare_frame(runs: dict, temperature: float) -> CompareUpdate:
     """The compare outputs as the runs stand (the one running shows what it has so far)."""
-    texts = [runs[s]["text"] for s in SIDES]
-    stats = [run_stats(runs[s]["metrics"]) if runs[s]["final"] else "" for s in SIDES]
-    return *texts, *stats, verdict_html(runs, temperature), speed_frame(runs)
+    left, right = runs["left"], runs["right"]
+    return CompareUpdate(
+        left_text=left["text"],
+        right_text=right["text"],
+        left_stats=run_stats(left["metrics"]) if left["final"] else "",
+        right_stats=run_stats(right["metrics"]) if right["final"] else "",
+        verdict=verdict_html(runs, temperature),
+        speed_bars=speed_frame(runs),
+    )
 
 
-def race(runs: dict, temperature: float):
+def race(runs: dict, temperature: float) -> Iterator[CompareUpdate]:
     """Both answers again from nothing, each at the pace it was measured at, with live counters;
     the verdict once both have finished."""
     if not runs or not all(r["final"] for r in runs.values()):  # (nothing raced yet)
@@ -216,8 +259,10 @@ def race(runs: dict, temperature: float):
     start = time.monotonic()
     end = max(run["metrics"]["wall_s"] for run in runs.values())
     while (now := time.monotonic() - start) < end:
-        shown = [_raced(runs[side], now) for side in SIDES]
-        yield shown[0][0], shown[1][0], shown[0][1], shown[1][1], "", gr.skip()
+        (left_text, left_stats), (right_text, right_stats) = (_raced(runs[side], now) for side in SIDES)
+        yield CompareUpdate(
+            left_text=left_text, right_text=right_text, left_stats=left_stats, right_stats=right_stats, verdict=""
+        )
         time.sleep(RACE_FRAME_S)
     yield compare_frame(runs, temperature)
 
@@ -232,7 +277,7 @@ def _raced(run: dict, now: float) -> tuple[str, str]:
     return run["text"][:chars] + " ▌", f"**{tokens / max(now, 1e-3):.1f} tokens/s** · {tokens} tokens · {now:.1f} s"
 
 
-def paper_table(engine: EngineClient, prompt, k, page: gr.Request | None = None):
+def paper_table(engine: EngineClient, prompt: str, k: float, page: gr.Request | None = None) -> Iterator[str | Skip]:
     """AR vs SD at N = 40 and 100 new tokens, greedy, fresh caches: the paper's table."""
     messages = ({"role": "user", "content": prompt},)
     rows: list[dict] = []
@@ -242,7 +287,7 @@ def paper_table(engine: EngineClient, prompt, k, page: gr.Request | None = None)
             asked = Request(
                 messages,
                 mode=mode,
-                k=streaming.whole(k),
+                k=streaming.form_int(k),
                 max_new_tokens=n,
                 temperature=0.0,
                 reuse_cache=False,
@@ -253,7 +298,7 @@ def paper_table(engine: EngineClient, prompt, k, page: gr.Request | None = None)
             try:
                 for event in events.waiting(streaming.HEARTBEAT_S):
                     if event is None:
-                        yield gr.skip()
+                        yield SKIP
                         continue
                     if event.kind == "error":
                         gr.Warning(event.error)
@@ -286,13 +331,14 @@ def table_markdown(rows: list[dict], note: str) -> str:
 
 # -- wiring -----------------------------------------------------------------------------------
 def wire(engine: EngineClient, tab: CompareTab, sidebar: Sidebar) -> None:
-    shown = [*tab.texts, *tab.stats, tab.verdict, tab.speed_bars]
+    """The tab's events (the sidebar gives the settings but the mode); its Stop cancels them."""
+    shown = streaming.components_named(CompareUpdate._fields, tab)
     settings = [sidebar.k, sidebar.temperature, sidebar.top_p, sidebar.max_new_tokens, sidebar.seed]
     events = [
         tab.run_compare.click(
             partial(compare, engine),
             [tab.prompt, tab.left_mode, tab.right_mode, *settings, sidebar.system],
-            [*shown, tab.runs],
+            shown,
             api_name="compare",
             **streaming.ENGINE_QUEUE,
         ),

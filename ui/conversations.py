@@ -14,16 +14,20 @@ from functools import partial
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
 from engine.interface import EngineClient
 from engine.render import transcript
 from ui import streaming
-from ui.chat import ChatTab, outputs
+from ui.chat import ChatTab
 from ui.render import cut, footer_line, header_html, last_metrics, metrics_html, render_chat
 from ui.sidebar import Sidebar
+from ui.streaming import SKIP, Skip
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 STORE_KEY = "specchat-conversations"  # where each browser keeps its conversations
 MAX_CONVERSATIONS = 30  # kept per browser, the oldest dropped first
@@ -56,6 +60,31 @@ METRIC_KEYS = frozenset(
 class Stores:
     conv_id: gr.State  # the open conversation's id (None until the page has loaded)
     store: gr.BrowserState  # every conversation kept: {"current", "conversations": {id: ...}}
+
+
+class Opened(NamedTuple):
+    """A conversation opened, by name: each field updates the component of its name in the
+    stores, the chat tab or the sidebar; a field left at ``SKIP`` leaves it as it is."""
+
+    store: dict | Skip = SKIP
+    conv_id: str | Skip = SKIP
+    turns: list[dict] | Skip = SKIP
+    chatbot: list[dict] | Skip = SKIP
+    system: str | Skip = SKIP
+    conversations: dict | Skip = SKIP  # the list's choices, the open one selected
+    header: str | Skip = SKIP
+    metrics_panel: str | Skip = SKIP
+    metrics_json: dict | Skip = SKIP
+    tps_plot: pd.DataFrame | Skip | None = SKIP
+    metrics_line: str | Skip = SKIP
+
+
+class Saved(NamedTuple):
+    """A conversation kept, by name (as :class:`Opened`): the store, the list and the header."""
+
+    store: dict
+    conversations: dict
+    header: str
 
 
 def create_stores(secret: str | None) -> Stores:
@@ -100,7 +129,7 @@ def compact(turn: dict, last: bool) -> dict:
     return kept
 
 
-def sanitized(store) -> dict:
+def sanitized(store: object) -> dict:
     """A store as the browser sent it, with what this version cannot show left out (an older or
     tampered value must not stop the page from opening)."""
     if not isinstance(store, dict) or not isinstance(store.get("conversations"), dict):
@@ -118,7 +147,7 @@ def sanitized(store) -> dict:
     return {"current": store.get("current"), "conversations": kept}
 
 
-def _well_formed(turn) -> bool:
+def _well_formed(turn: object) -> bool:
     return (
         isinstance(turn, dict)
         and turn.get("role") in ("user", "assistant")
@@ -140,43 +169,45 @@ def conversation_list(store: dict, conv_id: str) -> dict:
     return gr.update(choices=choices, value=conv_id)
 
 
-def save(engine: EngineClient, store, conv_id, turns, system):
+def save(engine: EngineClient, store: dict, conv_id: str, turns: list[dict], system: str) -> Saved:
     """After an answer (or an edit): keep the conversation in the browser; refresh the list and header."""
     store = remember(store, conv_id, turns, system)
-    return store, conversation_list(store, conv_id), header_html(engine, turns)
+    return Saved(store=store, conversations=conversation_list(store, conv_id), header=header_html(engine, turns))
 
 
-def show(engine: EngineClient, store: dict, conv_id: str, colour: bool) -> tuple:
+def show(engine: EngineClient, store: dict, conv_id: str, colour: bool) -> Opened:
     """Open the conversation ``conv_id`` of ``store`` (a new, empty one if it is not there)."""
     kept = store.get("conversations", {}).get(conv_id, {})
     turns, system = kept.get("turns", []), kept.get("system", "")
     store = {**store, "current": conv_id}
-    return (
-        store,
-        conv_id,
-        turns,
-        render_chat(turns, colour),
-        system,
-        conversation_list(store, conv_id),
-        header_html(engine, turns),
-        metrics_html({}),
-        {},
-        None,
-        footer_line(last_metrics(turns)),
+    return Opened(
+        store=store,
+        conv_id=conv_id,
+        turns=turns,
+        chatbot=render_chat(turns, colour),
+        system=system,
+        conversations=conversation_list(store, conv_id),
+        header=header_html(engine, turns),
+        metrics_panel=metrics_html({}),
+        metrics_json={},
+        tps_plot=None,
+        metrics_line=footer_line(last_metrics(turns)),
     )
 
 
-def restore(engine: EngineClient, store, colour):
-    """The page opened: the conversation it had open last, else a new one."""
+def restore(engine: EngineClient, store: object, colour: bool) -> Opened:
+    """The page opened: the conversation it had open last, else a new one (``store``: as the
+    browser sent it)."""
     store = sanitized(store)
     return show(engine, store, store.get("current") or new_id(), colour)
 
 
-def new_chat(engine: EngineClient, store, colour):
+def new_chat(engine: EngineClient, store: dict, colour: bool) -> Opened:
+    """New chat: a new, empty conversation opened."""
     return show(engine, store, new_id(), colour)
 
 
-def delete_chat(engine: EngineClient, store, conv_id, colour):
+def delete_chat(engine: EngineClient, store: dict, conv_id: str, colour: bool) -> Opened:
     """Forget the open conversation; open the newest other one (or a new one)."""
     kept = {c: v for c, v in store.get("conversations", {}).items() if c != conv_id}
     store = {"current": None, "conversations": kept}
@@ -184,7 +215,7 @@ def delete_chat(engine: EngineClient, store, conv_id, colour):
     return show(engine, store, newest or new_id(), colour)
 
 
-def export_chat(turns, system):
+def export_chat(turns: list[dict], system: str) -> dict[str, Any]:
     """The open conversation as a JSON file (everything, for import) and a Markdown file (to read)."""
     if not turns:
         gr.Warning("Nothing to export yet: send a message first.")
@@ -202,7 +233,7 @@ def export_chat(turns, system):
     return gr.update(value=[str(folder / f"{stem}.json"), str(folder / f"{stem}.md")], visible=True)
 
 
-def import_chat(engine: EngineClient, store, path, colour):
+def import_chat(engine: EngineClient, store: dict, path: str, colour: bool) -> Opened:
     """A conversation file (JSON or Markdown, as exported) opened as a new conversation; a file
     that is not one is refused with what is wrong, and nothing open is touched."""
     try:
@@ -211,7 +242,7 @@ def import_chat(engine: EngineClient, store, path, colour):
     except (ValueError, UnicodeDecodeError) as exc:
         reason = "it is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc)
         gr.Warning(f"Could not import: {reason}")
-        return (gr.skip(),) * 11
+        return Opened()
     conv_id = new_id()  # (figures recorded in the file are not shown: they describe another run)
     turns = [{"role": m["role"], "content": m["content"]} for m in messages]
     return show(engine, remember(store, conv_id, turns, system, title), conv_id, colour)
@@ -223,7 +254,7 @@ def saving(engine: EngineClient, stores: Stores, chat: ChatTab, sidebar: Sidebar
     return {
         "fn": partial(save, engine),
         "inputs": [stores.store, stores.conv_id, chat.turns, sidebar.system],
-        "outputs": [stores.store, sidebar.conversations, chat.header],
+        "outputs": streaming.components_named(Saved._fields, stores, chat, sidebar),
     }
 
 
@@ -233,16 +264,7 @@ def wire(
     """The sidebar's conversation controls; leaving a conversation stops its answer (``chat_events``)."""
     private = streaming.BOOKKEEPING
     store, colour = stores.store, chat.colour
-    opened = [
-        store,
-        stores.conv_id,
-        chat.turns,
-        chat.chatbot,
-        sidebar.system,
-        sidebar.conversations,
-        chat.header,
-        *outputs(chat, sidebar)[3:],
-    ]
+    opened = streaming.components_named(Opened._fields, stores, chat, sidebar)
     sidebar.system.blur(**saving(engine, stores, chat, sidebar), **private)
     demo.load(partial(restore, engine), [store, colour], opened, **private)
     # Leaving a conversation: its answer stopped, the conversation kept as it stands, then the next opened.

@@ -21,6 +21,7 @@ PROGRESS_POLL_S = 0.1  # how often it looks for progress to send (its default: 1
 
 
 def load_examples(path: Path = ASSETS / "examples.json") -> list[dict]:
+    """The prompts the Examples under each tab offer: [{"label", "prompt"}]."""
     return json.loads(path.read_text())
 
 
@@ -75,7 +76,7 @@ def build_app(
     return demo
 
 
-def refresh_status(engine: EngineClient, turns):
+def refresh_status(engine: EngineClient, turns: list[dict]) -> tuple[str, gr.Timer, str]:
     """The banner's next state and the header (the models' names, once known); the timer stops
     once the models serve."""
     state = engine.state

@@ -4,7 +4,8 @@ settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import gradio as gr
 
@@ -41,16 +42,13 @@ class Sidebar:
 
     @property
     def settings(self) -> list[gr.components.Component]:
-        """The decoding settings, in the order the handlers take them."""
-        return [self.mode, self.k, self.temperature, self.top_p, self.max_new_tokens, self.seed]
-
-    @property
-    def panels(self) -> list[gr.components.Component]:
-        """What shows the figures of the answer streaming: the cards, their JSON and the plot."""
-        return [self.metrics_panel, self.metrics_json, self.tps_plot]
+        """The decoding settings' components, ordered as the fields of
+        :class:`~ui.streaming.Settings` (as the handlers take them)."""
+        return streaming.components_named([field.name for field in fields(streaming.Settings)], self)
 
 
 def create_ui(engine: EngineClient) -> Sidebar:
+    """The sidebar's layout: the figures and the mode first, then the conversations and the settings."""
     max_tokens = max(16, min(MAX_CAP, engine.max_context))
     with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
         # What the app is for first: the live figures and the switch between the decoding modes,
@@ -131,7 +129,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
     )
 
 
-def draft_length_for(mode):
+def draft_length_for(mode: str) -> dict[str, Any]:
     """K only matters where tokens are drafted."""
     return gr.update(interactive=mode != "autoregressive")
 

@@ -1,12 +1,14 @@
-"""How a handler turns the sidebar's settings into an engine request and paces what it streams
-to the page. Handlers read these periods as ``streaming.REDRAW_S`` (at call time), so that a
-test can make every round drawn."""
+"""How a handler turns the sidebar's settings into an engine request, names what it streams to
+the page and paces it. Handlers read these periods as ``streaming.REDRAW_S`` (at call time), so
+that a test can make every round drawn."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
 import gradio as gr
 import pandas as pd
@@ -28,6 +30,17 @@ ENGINE_QUEUE: dict[str, Any] = {"concurrency_limit": None}  # how handlers that 
 # overlay would flicker over the conversation list and the header after every answer, and take the
 # clicks meant for them while it shows).
 BOOKKEEPING: dict[str, Any] = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
+# A handler updates its outputs by name, with a NamedTuple whose fields are named as the components
+# they update (see components_named); a field left at SKIP leaves its component as it is.
+Skip = dict[str, Any]
+SKIP: Skip = gr.skip()
+
+
+def components_named(fields: Sequence[str], *tabs: object) -> list[gr.components.Component]:
+    """The components named ``fields``, in their order, each taken from the tab (a dataclass of
+    components) that has one by that name: the outputs of a handler that updates ``fields``."""
+    named = {name: component for tab in tabs for name, component in vars(tab).items()}
+    return [named[field] for field in fields]
 
 
 def client_of(request: gr.Request | None) -> str:
@@ -40,45 +53,69 @@ def client_of(request: gr.Request | None) -> str:
     return PAGE + request.session_hash if request.session_hash else ""
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The sidebar's decoding settings, one value from the form to the engine request. Its fields
+    are named as the sidebar's components and ordered as the handlers take them."""
+
+    mode: str
+    k: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int  # 0: until the model stops, within its context
+    seed: int | None  # None: a new random seed each time
+
+    @classmethod
+    def from_form(
+        cls, *, mode: str, k: float, temperature: float, top_p: float, max_new_tokens: float, seed: float | None
+    ) -> Settings:
+        """The settings as the form sends them (4.0 for 4; seed -1: a new random one). What is out
+        of range passes as it came, for the engine to refuse with its reason (an API caller is
+        not held to the form's ranges)."""
+        return cls(
+            mode=mode,
+            k=form_int(k),
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=form_int(max_new_tokens),
+            seed=None if seed is None or (_finite(seed) and seed < 0) else form_int(seed),
+        )
+
+
 def make_request(
-    messages,
-    mode,
-    k,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
+    messages: Sequence[dict],
+    settings: Settings,
     *,
     context: int,
-    reuse_cache=True,
-    answer_ids=(),
+    reuse_cache: bool = True,
+    answer_ids: Sequence[int] = (),
     client: str = "",
 ) -> Request:
-    """The sidebar's settings as an engine request; the engine refuses what is out of range.
+    """``settings`` as an engine request; the engine refuses what is out of range.
     ``max_new_tokens`` 0: until the model stops, within its ``context``. ``answer_ids``: the
     tokens of an answer this request continues. ``client``: who asks (:func:`client_of`)."""
-    cap = whole(max_new_tokens)
     return Request(
         messages=tuple(messages),
         answer_ids=tuple(answer_ids),
-        mode=mode,
-        k=whole(k),
-        max_new_tokens=context if cap == 0 else cap,
-        temperature=temperature,
-        top_p=top_p,
-        seed=None if seed is None or (_finite(seed) and seed < 0) else whole(seed),
+        mode=settings.mode,
+        k=settings.k,
+        max_new_tokens=context if settings.max_new_tokens == 0 else settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
         reuse_cache=reuse_cache,
         client=client,
     )
 
 
-def _finite(value) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def whole(value):
-    """A form's whole number (Gradio sends 4.0 for 4) as an int; anything else as it came."""
-    return int(value) if _finite(value) and value == int(value) else value
+def form_int(value: float) -> int:
+    """A form's integer (Gradio sends 4.0 for 4) as an int. Anything else comes back as it came,
+    typed as the int it should be, for the engine's range checks to refuse."""
+    return int(value) if _finite(value) and value == int(value) else cast(int, value)
 
 
 def conversation(turns: list[dict], system: str = "") -> list[dict]:
@@ -93,7 +130,7 @@ class Throughput:
 
     COLUMNS: ClassVar[dict[str, type]] = {"time_s": float, "tokens_per_s": float, "series": str}
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.rows: list[tuple[float, float, str]] = []
         self.last = (0.0, 0)  # (wall_s, new_tokens) at the previous sample
         self.drawn_at = 0.0
@@ -113,7 +150,7 @@ class Throughput:
             return None
         return pd.DataFrame(self.rows, columns=list(self.COLUMNS)).astype(self.COLUMNS)
 
-    def plot(self, final: bool):
+    def plot(self, final: bool) -> pd.DataFrame | Skip | None:
         """The plot's new value, or ``gr.skip()`` between redraws."""
         if not final and time.monotonic() - self.drawn_at < PLOT_EVERY_S:
             return gr.skip()

@@ -40,7 +40,8 @@ def greedy_request(engine, message: str, **settings):
     """The engine request the chat makes for ``message`` with the test's settings."""
     values = {**GREEDY, **settings}
     del values["colour"]
-    return streaming.make_request([{"role": "user", "content": message}], *values.values(), context=engine.max_context)
+    settings = streaming.Settings.from_form(**values)
+    return streaming.make_request([{"role": "user", "content": message}], settings, context=engine.max_context)
 
 
 class SlowEngine:

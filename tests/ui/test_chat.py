@@ -122,7 +122,8 @@ def test_the_system_prompt_goes_to_the_model_through_the_chat_template(client, e
     answer = last_answer(ask(client, "def add(a, b):", system="Answer in French.").outputs()[-1])
     messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "def add(a, b):"}]
     values = {k: v for k, v in GREEDY.items() if k != "colour"}
-    expected = engine.run(streaming.make_request(messages, *values.values(), context=engine.max_context))
+    settings = streaming.Settings.from_form(**values)
+    expected = engine.run(streaming.make_request(messages, settings, context=engine.max_context))
     assert answer == engine.text(expected.token_ids).strip()  # (the chat drops the answer's outer spaces)
     assert answer != last_answer(ask(client, "def add(a, b):").outputs()[-1])  # (the prompt did change)
 
@@ -252,10 +253,12 @@ def test_the_chat_shows_how_far_a_long_message_is_read(long_target):
 
     engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing())
     message = "def add(a, b):\n    return a + b\n" * 200
-    settings = ("autoregressive", 4, 0.0, 1.0, 2, 0)
+    settings = streaming.Settings.from_form(
+        mode="autoregressive", k=4, temperature=0.0, top_p=1.0, max_new_tokens=2, seed=0
+    )
     frames = list(stream_answer(engine, [{"role": "user", "content": message}], False, settings, "", ""))
-    drawn = [frame[1][-1]["content"] for frame in frames if isinstance(frame[1], list)]
+    drawn = [frame.chatbot[-1]["content"] for frame in frames if isinstance(frame.chatbot, list)]
     reading = [text for text in drawn if "Reading your message" in text]
     assert reading and " of " in reading[0] and "left" in reading[0]
-    assert any("prompt read at" in frame[3] for frame in frames if isinstance(frame[3], str))
+    assert any("prompt read at" in frame.metrics_panel for frame in frames if isinstance(frame.metrics_panel, str))
     assert "Reading" not in drawn[-1]
