@@ -9,7 +9,6 @@ import html
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any, NamedTuple
 
 import gradio as gr
@@ -20,6 +19,7 @@ from engine.errors import EngineError
 from engine.interface import EngineClient
 from engine.report import PAPER_COLUMNS, markdown_table, speedup
 from ui import streaming
+from ui.chat import bound
 from ui.render import seconds
 from ui.sidebar import Sidebar
 from ui.streaming import SKIP, Settings, Skip
@@ -336,7 +336,7 @@ def wire(engine: EngineClient, tab: CompareTab, sidebar: Sidebar) -> None:
     settings = [sidebar.k, sidebar.temperature, sidebar.top_p, sidebar.max_new_tokens, sidebar.seed]
     events = [
         tab.run_compare.click(
-            partial(compare, engine),
+            bound(compare, engine),  # (Gradio passes the request only where it sees its type)
             [tab.prompt, tab.left_mode, tab.right_mode, *settings, sidebar.system],
             shown,
             api_name="compare",
@@ -344,7 +344,7 @@ def wire(engine: EngineClient, tab: CompareTab, sidebar: Sidebar) -> None:
         ),
         tab.again.click(race, [tab.runs, sidebar.temperature], shown, api_visibility="private"),
         tab.run_table.click(
-            partial(paper_table, engine),
+            bound(paper_table, engine),
             [tab.prompt, sidebar.k],
             tab.table,
             api_name="paper_table",
