@@ -47,10 +47,13 @@ PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best"
 PEERS_PER_K = {"genai-sd", "llamacpp-sd"}
 # llama.cpp runs the GGUF's own quantized weights, not the IR's: its tokens are not compared to ar.
 OTHER_WEIGHTS = {"llamacpp", "llamacpp-sd", "llamacpp-best"}
+# Each engine's plain decoding, which its other modes are measured against ("vs own plain").
+PLAIN_OF = {"genai": "genai-ar", "llamacpp": "llamacpp"}
 COLUMNS = [
     report.MODE,
     report.TOKENS_PER_S,
     report.SPEEDUP,
+    Column("vs own plain", "speedup_vs_own_plain", "{:.2f}×"),
     Column("TTFT s", "ttft_s", "{:.2f}"),
     Column("tokens/s after the first", "after_first_tokens_per_s", "{:.1f}"),
     report.ACCEPTANCE,
@@ -226,6 +229,7 @@ def summarize(runs: list[Run], baseline: str = "ar") -> list[dict]:
     ar = seconds_per_token(by_mode[baseline]) if baseline in by_mode else None
     rows = []
     for mode, rs in by_mode.items():
+        plain = by_mode.get(PLAIN_OF.get(mode.split("-")[0], baseline))
         drafted = sum(r.drafted for r in rs)
         passes = sum(r.target_passes for r in rs)
         compared = [r for r in rs if r.identical_to_ar is not None]
@@ -235,6 +239,7 @@ def summarize(runs: list[Run], baseline: str = "ar") -> list[dict]:
                 "mode": mode,
                 "tokens_per_s": 1 / seconds_per_token(rs),
                 "speedup_vs_ar": speedup(ar, seconds_per_token(rs)),
+                "speedup_vs_own_plain": speedup(seconds_per_token(plain), seconds_per_token(rs)) if plain else None,
                 "ttft_s": statistics.median(r.ttft_s for r in rs if r.ttft_s is not None),
                 "after_first_tokens_per_s": sum(r.new_tokens - 1 for r in rs)
                 / sum(r.wall_s - (r.ttft_s or 0.0) for r in rs),
@@ -245,6 +250,14 @@ def summarize(runs: list[Run], baseline: str = "ar") -> list[dict]:
             }
         )
     return rows
+
+
+def same_text(runs: list[Run], peer: str = "llamacpp") -> list[Run]:
+    """The runs of the prompts on which our plain answer and the ``peer``'s are the same text:
+    there the two engines did the same work, so their speeds compare like with like."""
+    text = {(r.prompt_id, r.mode): r.text.strip() for r in runs}
+    same = {p for p, m in text if m == "ar" and text.get((p, peer)) == text[(p, "ar")]}
+    return [r for r in runs if r.prompt_id in same]
 
 
 # How far `best` may trail the fastest of our fixed modes in one run before --check-best fails.
@@ -357,12 +370,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = summarize(runs)
     text = markdown_table(rows, COLUMNS)
+    agreed = same_text(runs) if "llamacpp" in modes else []
+    if "llamacpp" in modes:
+        count = len({r.prompt_id for r in agreed})
+        text += f"\n\nOn the {count} of {len(prompts)} prompts where ar and llamacpp wrote the same text:\n\n"
+        text += markdown_table(summarize(agreed), COLUMNS) if agreed else "(none)"
     print(text)
     write_text(args.table, text + "\n")
     write_text(
         args.json,
         json.dumps(
-            {"summary": rows, "runs": [r.__dict__ for r in runs], "max_new_tokens": args.max_new_tokens}, indent=1
+            {
+                "summary": rows,
+                "same_text_summary": summarize(agreed) if agreed else [],
+                "runs": [r.__dict__ for r in runs],
+                "max_new_tokens": args.max_new_tokens,
+            },
+            indent=1,
         ),
     )
     if args.check_best and (trailing := best_trails(rows)):

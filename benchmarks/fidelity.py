@@ -230,11 +230,21 @@ def answer_all(answer, items: list[Problem], label: str) -> tuple[list[str], flo
     return texts, tokens / seconds
 
 
+def target_ir(args: argparse.Namespace, weights: str, cache: Path) -> Path:
+    """The target with these weights: a precision of ``--target``, prepared, or an OpenVINO IR
+    folder of it made another way, as it is."""
+    if weights in PRECISIONS:
+        return prepare_one(args.target, compression_from_args(args, "target", weights), cache).path
+    if not Path(weights, "openvino_model.xml").is_file():
+        raise EngineError(f"{weights}: neither a precision ({', '.join(PRECISIONS)}) nor an OpenVINO IR folder")
+    return Path(weights)
+
+
 def run_fidelity(args: argparse.Namespace) -> dict:
     """The figures of every row, and the functional check's answers."""
     cache = cache_dir_from_args(args)
     precisions = args.precisions.split(",")
-    irs = {p: prepare_one(args.target, compression_from_args(args, "target", p), cache).path for p in precisions}
+    irs = {p: target_ir(args, p, cache) for p in precisions}
     reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
     tokenizer = auto_tokenizer(reference_ir)
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
@@ -286,7 +296,8 @@ def _functional(
     the answers by weights."""
     answers: dict[str, list[str]] = {}
     for precision in precisions:
-        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "target_precision": precision}))
+        target_flag = {"target_precision": precision} if precision in PRECISIONS else {"target": precision}
+        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), **target_flag}))
         engine = Engine(target.path, draft.path)
 
         def ours(problem: Problem, engine: Engine = engine) -> tuple[str, int, float]:
@@ -325,7 +336,11 @@ def _size_mb(ir: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--precisions", default="int8,int4", help=f"target weights to measure, of {PRECISIONS}")
+    parser.add_argument(
+        "--precisions",
+        default="int8,int4",
+        help=f"target weights to measure, comma separated: of {PRECISIONS}, or OpenVINO IR folders of the target",
+    )
     parser.add_argument("--text-kb", type=int, default=64, help="KB of standard-library source for perplexity")
     parser.add_argument("--problems", type=int, default=41, help="HumanEval problems answered (0: none)")
     parser.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same GGUF as the cross-check")

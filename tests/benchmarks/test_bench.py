@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.bench import best_trails, top2_margin
+from benchmarks.bench import Run, best_trails, same_text, summarize, top2_margin
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from tests.test_decoding import PROMPTS
 
@@ -27,3 +27,25 @@ def test_the_check_fails_where_best_trails_the_fastest_fixed_mode_by_more_than_t
     assert "trails hybrid" in str(best_trails([*rows, {"mode": "best", "tokens_per_s": 24.0}]))
     peer = {"mode": "llamacpp", "tokens_per_s": 40.0}  # only our own modes count
     assert best_trails([*rows, peer, {"mode": "best", "tokens_per_s": 25.0}]) is None
+
+
+def _run(prompt_id: str, mode: str, text: str, wall_s: float) -> Run:
+    return Run(prompt_id, mode, [], text, wall_s, 0.1, 10)
+
+
+def test_peers_compare_on_the_prompts_where_both_wrote_the_same_text_and_against_their_own_plain():
+    runs = [
+        _run("a", "ar", "x = 1", 1.0),
+        _run("a", "best", "x = 1", 0.5),
+        _run("a", "llamacpp", "x = 1 ", 0.8),
+        _run("a", "llamacpp-best", "x = 1", 0.4),
+        _run("b", "ar", "short", 1.0),
+        _run("b", "best", "short", 0.5),
+        _run("b", "llamacpp", "a much longer answer", 4.0),
+        _run("b", "llamacpp-best", "a much longer answer", 1.0),
+    ]
+    assert {r.prompt_id for r in same_text(runs)} == {"a"}
+    rows = {row["mode"]: row for row in summarize(runs)}
+    assert rows["best"]["speedup_vs_own_plain"] == pytest.approx(2.0)
+    assert rows["llamacpp-best"]["speedup_vs_own_plain"] == pytest.approx(4.8 / 1.4)  # its seconds against plain's
+    assert rows["llamacpp"]["speedup_vs_own_plain"] == pytest.approx(1.0)
