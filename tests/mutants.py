@@ -72,8 +72,8 @@ MUTATIONS = [
     Mutation(
         "temperature ignored",
         "engine/core/sampling.py",
-        "z = (logits - logits.max(-1, keepdims=True)) / params.temperature",
-        "z = logits - logits.max(-1, keepdims=True)",
+        "z /= params.temperature",
+        "z /= 1.0",
         "every temperature behaves like 1.0",
         "tests/test_sampling.py",
     ),
@@ -96,7 +96,7 @@ MUTATIONS = [
     Mutation(
         "stop tokens ignored",
         "engine/core/decoding.py",
-        "if t in config.stop_ids",
+        "if t in self.config.stop_ids",
         "if False",
         "answers run past end-of-turn to the token limit",
         "tests/test_decoding.py::test_a_stop_token_ends_the_answer_with_nothing_after_it",
@@ -136,8 +136,8 @@ MUTATIONS = [
     Mutation(
         "hybrid adapts on lookup drafts",
         "engine/core/drafters.py",
-        "if self._model_proposed:",
-        "if True:",
+        "(self.model if self._model_proposed else self.lookup)",
+        "(self.model if True else self.lookup)",
         "the draft model's K moves on prompt lookup's verdicts",
         "tests/test_decoding.py::test_a_hybrid_adapts_its_model_only_on_the_model_s_own_drafts",
     ),

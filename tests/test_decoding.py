@@ -15,11 +15,15 @@ from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafte
 from engine.core.metrics import Stats
 from engine.core.pacing import (
     CEILING,
+    DRAFT,
+    PLAIN,
     REJECTION_CONTEXTS,
     TRY_MARGIN,
+    Choice,
     Pacer,
     Pacing,
     PassCosts,
+    TextKind,
     break_even_acceptance,
     expected_tokens,
 )
@@ -391,13 +395,18 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole(pair, tok, ir_tar
 
 
 def paced_kinds(pacer: Pacer, rounds: int, cost) -> list[bool]:
-    """Which kind each of ``rounds`` rounds runs: ``cost(speculative)`` gives (seconds, tokens)."""
+    """Whether each of ``rounds`` rounds runs the draft model: ``cost(speculative)`` gives (seconds, tokens)."""
     kinds = []
     for _ in range(rounds):
-        speculative = pacer.speculate()
+        choice = pacer.choose()
+        speculative = choice.kind is DRAFT
         kinds.append(speculative)
-        pacer.record(speculative, *cost(speculative))
+        pacer.record(choice.kind, *cost(speculative), held=choice.held)
     return kinds
+
+
+def speculates(pacer: Pacer, switch: float = 0.0, remaining: int = 0) -> bool:
+    return pacer.choose(switch, remaining).kind is DRAFT
 
 
 def test_the_pacer_measures_both_kinds_then_runs_the_cheaper_and_probes_less_and_less():
@@ -422,11 +431,11 @@ def test_a_new_requests_pacer_starts_from_what_the_server_measured_on_that_kind_
     without a try; on code, where nothing was measured yet, it tries the draft model first. Where
     the draft model paid, the next request speculates from its first round."""
     pacing = Pacing()
-    paced_kinds(pacing.pacer(False, 5), 30, lambda spec: (0.3 if spec else 0.1, 1))
-    assert paced_kinds(pacing.pacer(False, 5), 8, lambda spec: (0.3 if spec else 0.1, 1)) == [False] * 8
-    assert pacing.pacer(True, 5).speculate()
-    paced_kinds(pacing.pacer(True, 5), 30, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1))
-    code = paced_kinds(pacing.pacer(True, 5), 40, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1))
+    paced_kinds(pacing.pacer(TextKind.PROSE, 5), 30, lambda spec: (0.3 if spec else 0.1, 1))
+    assert paced_kinds(pacing.pacer(TextKind.PROSE, 5), 8, lambda spec: (0.3 if spec else 0.1, 1)) == [False] * 8
+    assert speculates(pacing.pacer(TextKind.CODE, 5))
+    paced_kinds(pacing.pacer(TextKind.CODE, 5), 30, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1))
+    code = paced_kinds(pacing.pacer(TextKind.CODE, 5), 40, lambda spec: (0.15 if spec else 0.1, 4 if spec else 1))
     assert code[: Pacer.MAX_INTERVAL] == [True] * Pacer.MAX_INTERVAL and code.count(False) == 1  # one probe
 
 
@@ -436,16 +445,19 @@ def test_the_servers_memory_is_not_held_by_its_first_dearest_round():
     few cheap rounds leaves a memory in which the draft model pays, so the next request on that
     text speculates from its first round."""
     pacing = Pacing()
-    first = pacing.pacer(True, 5)
-    assert first.speculate()
-    first.record(True, 0.75, 4)  # new shapes, and the draft reading the prompt
-    assert not first.speculate()
-    first.record(False, 0.06, 1)
+    first = pacing.pacer(TextKind.CODE, 5)
+    assert speculates(first)
+    first.record(DRAFT, 0.75, 4)  # new shapes, and the draft reading the prompt
+    assert not speculates(first)
+    first.record(PLAIN, 0.06, 1)
     for _ in range(6):  # rounds of the draft model as they run on code: 35 ms a token
-        first.record(True, 0.175, 5)
-    memory = pacing.pacer(True, 5).figures
-    assert memory[True].cost < memory[False].cost
-    assert paced_kinds(pacing.pacer(True, 5), 8, lambda spec: (0.175 if spec else 0.06, 5 if spec else 1)) == [True] * 8
+        first.record(DRAFT, 0.175, 5)
+    memory = pacing.pacer(TextKind.CODE, 5).figures
+    assert memory[DRAFT].cost < memory[PLAIN].cost
+    assert (
+        paced_kinds(pacing.pacer(TextKind.CODE, 5), 8, lambda spec: (0.175 if spec else 0.06, 5 if spec else 1))
+        == [True] * 8
+    )
 
 
 def test_a_probe_of_the_draft_model_is_skipped_where_its_catch_up_costs_more_than_a_few_steps():
@@ -455,9 +467,9 @@ def test_a_probe_of_the_draft_model_is_skipped_where_its_catch_up_costs_more_tha
     pacer = Pacer()
     assert paced_kinds(pacer, 12, lambda spec: (0.3 if spec else 0.1, 1))[:2] == [True, False]
     while pacer.streak < pacer.interval:
-        pacer.record(False, 0.1, 1)
-    assert pacer.speculate(switch=0.3, remaining=64)
-    assert not pacer.speculate(switch=Pacer.PROBE_CATCH_UP * 0.1 + 0.05, remaining=64)
+        pacer.record(PLAIN, 0.1, 1)
+    assert speculates(pacer, switch=0.3, remaining=64)
+    assert not speculates(pacer, switch=Pacer.PROBE_CATCH_UP * 0.1 + 0.05, remaining=64)
 
 
 def test_the_preferred_draft_model_runs_only_where_the_rest_of_the_answer_repays_its_catch_up():
@@ -466,11 +478,12 @@ def test_the_preferred_draft_model_runs_only_where_the_rest_of_the_answer_repays
     order and the probe schedule stay)."""
     pacer = Pacer()
     paced_kinds(pacer, 20, lambda spec: (0.15, 5) if spec else (0.1, 1))
-    assert pacer.speculate(switch=0.5, remaining=100)
+    assert speculates(pacer, switch=0.5, remaining=100)
     streak, interval = pacer.streak, pacer.interval
-    assert not pacer.speculate(switch=0.5, remaining=5)
-    pacer.record(False, 0.1, 1)
-    assert (pacer.streak, pacer.interval) == (streak, interval) and pacer.speculate(remaining=5)
+    held = pacer.choose(switch=0.5, remaining=5)
+    assert held == Choice(PLAIN, held=True)
+    pacer.record(held.kind, 0.1, 1, held=held.held)
+    assert (pacer.streak, pacer.interval) == (streak, interval) and speculates(pacer, remaining=5)
 
 
 def test_the_draft_models_catch_up_is_timed_apart_from_its_rounds(pair, tok, monkeypatch):
@@ -493,8 +506,8 @@ def test_the_draft_models_catch_up_is_timed_apart_from_its_rounds(pair, tok, mon
     while not decoder.done:
         list(decoder.catch_up())
         decoder.round()
-    assert decoder.pacer is not None and decoder.pacer.rounds.get(True)
-    assert decoder.pacer.figures[True].seconds < 0.05  # (the prompt's read alone took 0.15 s)
+    assert decoder.pacer is not None and decoder.pacer.rounds.get(DRAFT)
+    assert decoder.pacer.figures[DRAFT].seconds < 0.05  # (the prompt's read alone took 0.15 s)
     assert pacing.reading(100) == pytest.approx(0.2, rel=0.5)
 
 
@@ -649,14 +662,14 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
     draft (115 ms for one token) among rounds that keep five does not make plain steps look cheaper."""
     pacer = Pacer()
     paced_kinds(pacer, 20, lambda spec: (0.115, 5) if spec else (0.05, 1))
-    pacer.record(True, 0.115, 1)
-    assert pacer.figures[True].cost < pacer.figures[False].cost
+    pacer.record(DRAFT, 0.115, 1)
+    assert pacer.figures[DRAFT].cost < pacer.figures[PLAIN].cost
     unlucky = 1
     # a run of them does, once plain steps are cheaper by the hysteresis
-    while pacer.figures[True].cost <= (1 + Pacer.HYSTERESIS) * pacer.figures[False].cost:
-        pacer.record(True, 0.115, 1)
+    while pacer.figures[DRAFT].cost <= (1 + Pacer.HYSTERESIS) * pacer.figures[PLAIN].cost:
+        pacer.record(DRAFT, 0.115, 1)
         unlucky += 1
-    assert not pacer.speculate() and 6 <= unlucky <= 20 and pacer.interval == Pacer.MIN_INTERVAL
+    assert not speculates(pacer) and 6 <= unlucky <= 20 and pacer.interval == Pacer.MIN_INTERVAL
 
 
 def test_the_draft_model_keeps_its_turn_while_plain_steps_are_only_a_little_cheaper():
@@ -680,8 +693,9 @@ def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_d
 @pytest.mark.parametrize("priced", [0, 2])
 def test_a_paced_round_runs_the_lookup_once_and_falls_to_the_model(pair, monkeypatch, priced):
     """A paced round asks for a free draft first. Where there is none, or the pacer refuses the
-    copy (copies slower than this text's pace), and the draft model runs, the hybrid neither
-    searches a second time in the same round nor verifies the refused copy anyway."""
+    copy (copies slower than this text's pace), and the draft model runs (a proposal without
+    copies), the hybrid neither searches a second time nor verifies the refused copy anyway;
+    a proposal with copies searches, whatever was asked before it."""
     target, model = pair
     price = lambda offered, acceptance, context, bar: priced  # noqa: E731
     hybrid = HybridDrafter(LookupDrafter(target.vocab_size, price=price), model)
@@ -690,11 +704,11 @@ def test_a_paced_round_runs_the_lookup_once_and_falls_to_the_model(pair, monkeyp
     context, params = [1, 2, 3, 1, 2], SamplingParams()
     model.runtime.reset()
     assert len(hybrid.free(context, 2, params).tokens) == priced
-    proposal = hybrid.propose(context, 2, params, np.random.default_rng(0))
+    proposal = hybrid.propose(context, 2, params, np.random.default_rng(0), copies=False)
     assert proposal.tokens and list(model.runtime.tokens[:5]) == context and calls == [5]  # the model's
     hybrid.rollback(context)
     hybrid.propose(context, 2, params, np.random.default_rng(0))
-    assert calls == [5, 5]  # a new round searches again
+    assert calls == [5, 5]  # an unpaced proposal searches
     model.runtime.reset()
 
 
@@ -742,10 +756,10 @@ def test_copies_are_verified_while_they_pay_better_than_the_preferred_kind_and_p
     only once in MIN_INTERVAL offers (to measure copies again); where copies do better, every one."""
     pacer = Pacer()
     paced_kinds(pacer, 20, lambda spec: (0.15, 4) if spec else (0.05, 1))  # the draft model: 0.0375 s a token
-    assert pacer.copy()  # copies not measured yet: tried
+    assert pacer.offer_copy()  # copies not measured yet: tried
     pacer.record_copy(0.12, 2)  # 0.06 s a token
-    taken = [pacer.copy() for _ in range(4 * Pacer.MIN_INTERVAL)]
+    taken = [pacer.offer_copy() for _ in range(4 * Pacer.MIN_INTERVAL)]
     assert sum(taken) == 4
     for _ in range(10):
         pacer.record_copy(0.1, 8)  # copies that land: 0.0125 s a token
-    assert all(pacer.copy() for _ in range(20))
+    assert all(pacer.offer_copy() for _ in range(20))

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.core.drafters import CopyDrafter, Draft, Drafter
 from engine.core.metrics import Stats
-from engine.core.pacing import Pacer, Pacing
+from engine.core.pacing import Choice, Pacer, Pacing, RoundKind, TextKind
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
@@ -63,10 +63,10 @@ class Round:
 
 class Decoder:
     """One request's decoding state: its context, counters, sampler and pacer. ``prefill`` fills
-    the target's cache with the prompt; then each :meth:`round` (alone on the request's own
-    caches) or :meth:`take` (a row of a batched target pass) adds a round's tokens, until
-    :attr:`done`. Either way every token follows the target's rule, so a request can move
-    between the two at any round boundary."""
+    the target's cache with the prompt (then :meth:`finish_if_full`); then each :meth:`round`
+    (alone on the request's own caches, after :meth:`catch_up`) or :meth:`take` (a row of a
+    batched target pass) adds a round's tokens, until :attr:`done`. Either way every token follows
+    the target's rule, so a request can move between the two at any round boundary."""
 
     def __init__(
         self, target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
@@ -88,7 +88,7 @@ class Decoder:
         # (docs/design.md, "Speculating only while it pays"): what a pacer learned on one says little
         # about the other, so each keeps its own.
         self._pacers = (
-            (pacing.pacer(False, config.k + 1), pacing.pacer(True, config.k + 1))
+            {text: pacing.pacer(text, config.k + 1) for text in TextKind}
             if pacing is not None and self.modelled
             else None
         )
@@ -103,9 +103,14 @@ class Decoder:
         stats.prompt_read = stats.cached_tokens
 
     @property
+    def text(self) -> TextKind:
+        """The kind of text the answer is in."""
+        return TextKind.CODE if self.in_code else TextKind.PROSE
+
+    @property
     def pacer(self) -> Pacer | None:
         """The pacer of the kind of text the answer is in (code or not), if paced."""
-        return None if self._pacers is None else self._pacers[self.in_code]
+        return None if self._pacers is None else self._pacers[self.text]
 
     def prefill(self) -> Iterator[int]:
         """The prompt's passes but the last (which gives the first token's logits), in chunks;
@@ -129,24 +134,29 @@ class Decoder:
         return len(self.context) - self.stats.prompt_read
 
     def room(self) -> int:
-        """Drafted tokens that fit in this round (the budget and the context); marks the request
-        :attr:`done` when not even the round's own token fits."""
+        """Drafted tokens that fit in the next round beside its own token (the budget and the
+        context): negative where not even that token fits."""
         left = min(self.config.max_new_tokens - self.stats.new_tokens, self.target.max_context - len(self.context))
-        if left <= 0:
-            self.stats.finish_reason = "length" if self.stats.new_tokens >= self.config.max_new_tokens else "context"
-            self.done = True
         return left - 1
 
-    def _speculates(self, limit: int) -> bool:
+    def finish_if_full(self) -> None:
+        """Mark the request :attr:`done` where not even one more token fits (its budget or the
+        context), with the reason."""
+        if self.room() < 0:
+            self.stats.finish_reason = "length" if self.stats.new_tokens >= self.config.max_new_tokens else "context"
+            self.done = True
+
+    def _choice(self, limit: int) -> Choice:
         """Whether the next round drafts with the drafter's model (``limit``: drafted tokens that
-        fit)."""
+        fit): the pacer's choice where paced. A query: :meth:`catch_up` asks it to know whether the
+        draft must read first, and :meth:`round` asks it again once the draft has."""
         if not (self.modelled and self.stats.rounds > 0 and limit > 0):
-            return False
+            return Choice(RoundKind.PLAIN)
         if self.pacer is None:
-            return True
+            return Choice(RoundKind.DRAFT)
         assert self.drafter is not None and self.config.pacing is not None
         switch = self.config.pacing.reading(self.drafter.behind(self.context))
-        return self.pacer.speculate(switch, limit + 1)
+        return self.pacer.choose(switch, limit + 1)
 
     def _free_draft(self, limit: int) -> tuple[Draft, Drafter] | None:
         """A paced request's draft that costs no model pass, and who made it: prompt lookup in
@@ -162,12 +172,12 @@ class Decoder:
             if copier is None:
                 continue
             if (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens:
-                return (draft, copier) if self.pacer is None or self.pacer.copy() else None
+                return (draft, copier) if self.pacer is None or self.pacer.offer_copy() else None
         return None
 
     def catch_up(self) -> Iterator[int]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
-        if self.drafter is None or self._caught_up or not self._speculates(self.room()):
+        if self.drafter is None or self._caught_up or self._choice(self.room()).kind is not RoundKind.DRAFT:
             return
         self._caught_up = True
         behind, seconds = self.drafter.behind(self.context), 0.0
@@ -191,11 +201,14 @@ class Decoder:
         limit = self.room()
         pacer, drafter = self.pacer, self.drafter
         free = self._free_draft(limit)
-        spec = free is None and self._speculates(limit)
+        choice = Choice(RoundKind.PLAIN) if free is not None else self._choice(limit)
+        spec = choice.kind is RoundKind.DRAFT
         start, read_seconds = time.perf_counter(), 0.0
         if drafter is not None and (free or spec):
+            # (a paced round has been offered the free drafts already: the drafter's model's turn)
+            copies = self.config.pacing is None
             draft, proposer = free or (
-                drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng),
+                drafter.propose(self.context, min(self.config.k, limit), self.config.sampling, self.rng, copies),
                 drafter,
             )
             draft, accepted = draft.head(limit), self.stats.accepted
@@ -220,7 +233,7 @@ class Decoder:
             pacer.record_copy(time.perf_counter() - start, len(round_.tokens))
         elif pacer is not None and self.stats.rounds > 1:
             # (the draft's catch-up is a cost of switching to it, weighed by Pacer.speculate)
-            pacer.record(spec, time.perf_counter() - start - read_seconds, len(round_.tokens))
+            pacer.record(choice.kind, time.perf_counter() - start - read_seconds, len(round_.tokens), choice.held)
             self.stats.plain_rounds += not spec
         return round_
 
@@ -250,7 +263,7 @@ class Decoder:
         self.stats.target_kv_bytes = self.target.kv_cache_bytes
         self.stats.draft_kv_bytes = self.drafter.kv_cache_bytes if self.drafter is not None else 0
         if not self.done:
-            self.room()
+            self.finish_if_full()
         return round_
 
 
@@ -263,7 +276,7 @@ def decode(
     if not _until_cancelled(decoder.prefill(), config):
         stats.finish_reason = "cancelled"
         return
-    decoder.room()
+    decoder.finish_if_full()
     while not decoder.done:
         if not _until_cancelled(decoder.catch_up(), config):
             stats.finish_reason = "cancelled"

@@ -40,9 +40,13 @@ class Draft:
 
 
 class Drafter(Protocol):
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+    def propose(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
+    ) -> Draft:
         """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
-        whose proposals cost nothing may propose more)."""
+        whose proposals cost nothing may propose more). ``copies``: False where the caller has
+        already been offered this round's copies (:meth:`free`) and turned them down or found
+        none: only what a model drafts (nothing, for a drafter that only copies)."""
 
     def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         """What this drafter proposes without running a model (prompt lookup), where that promises
@@ -147,10 +151,8 @@ class ModelDrafter:
         cut. A cut is made where the tail is ``window`` tokens (the draft's catch-up reads that
         much) and kept while the cache holds its view and the tail is at most ``3 * window``
         tokens, so the view the draft caches stays a prefix of the next one for ``2 * window``
-        tokens. (A cut set by the length alone moved every ``window`` tokens: a 128-token answer
-        after a catch-up of up to 2 * window tokens often paid a second one, 0.6 s at 2,000
-        tokens; a window held for two cut a catch-up from 542 tokens, 1.14 s, to 288, 0.54 s, on
-        the AMX VM, 2026-11-23.)"""
+        tokens. (A cut set by the length alone moved every ``window`` tokens, so an answer after a
+        catch-up often paid a second one: docs/design.md, "Long conversations".)"""
         w, n = self.window, len(context)
         if w is None or n - SINK <= 2 * w:
             return list(context)
@@ -158,7 +160,9 @@ class ModelDrafter:
             self._cut = n - w
         return [*context[:SINK], *context[self._cut :]]
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+    def propose(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
+    ) -> Draft:
         start = time.perf_counter()
         budget = min(k, self.k or k) if self.adaptive else k
         tokens: list[int] = []
@@ -275,8 +279,10 @@ class CopyDrafter:
         each copy ending in at most one rejection."""
         return self._accepted / (self._accepted + self._rejected)
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        return self.free(context, k, params)
+    def propose(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
+    ) -> Draft:
+        return self.free(context, k, params) if copies else Draft([], None, 0.0)
 
     def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         start = time.perf_counter()
@@ -363,19 +369,18 @@ class HybridDrafter:
         self.lookup = lookup
         self.model = model
         self._model_proposed = False  # who made the last proposal: the verdict is for them
-        self._free_asked_at: int | None = None  # this round's context length, where free() was asked
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        # A paced round asks free() first; if it proposes after that, the copy found nothing or
-        # the pacer refused it (copies slower than this text's pace): the model's turn either way.
-        asked = self._free_asked_at == len(context)
-        draft = Draft([], None, 0.0) if asked else self.free(context, k, params)
+    def propose(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
+    ) -> Draft:
+        # A paced round is offered free() first and proposes without copies after it: the copy
+        # found nothing or the pacer refused it (copies slower than this text's pace).
+        draft = self.free(context, k, params) if copies else Draft([], None, 0.0)
         self._model_proposed = not draft.tokens
         return self.model.propose(context, k, params, rng) if self._model_proposed else draft
 
     def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         self._model_proposed = False
-        self._free_asked_at = len(context)
         return self.lookup.free(context, k, params, bar)
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -388,7 +393,6 @@ class HybridDrafter:
         return self.model.behind(context)
 
     def rollback(self, accepted: Sequence[int]) -> None:
-        self._free_asked_at = None  # (the round is over)
         self.model.rollback(accepted)
 
     @property

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from functools import cached_property
 
 import numpy as np
@@ -79,9 +80,8 @@ class PassCosts:
     # trim of the target's cache (a copy of every state) and the plugin regrowing its buffers.
     rejection: tuple[tuple[int, float], ...] = ()
     # (context, plain steps at that context) a pass over K + 1 tokens costs after that many tokens:
-    # attention for several rows grows with the context faster than a single row's (on an AVX-512
-    # CPU 1.3 steps after 16 tokens, 2.4 after 2,000; docs/benchmarks.md, "What a pass costs as the
-    # context grows").
+    # attention for several rows grows with the context faster than a single row's (docs/benchmarks.md,
+    # "What a pass costs as the context grows").
     long_verify: tuple[tuple[int, float], ...] = ()
 
     @classmethod
@@ -206,9 +206,34 @@ def _over_contexts(context: int, measured: tuple[tuple[int, float], ...]) -> flo
     return float(np.interp(context, (0, *contexts), (0.0, *values)))
 
 
-# What a pacer measures: rounds with the draft model (True), plain steps (False), copies (COPY).
-COPY = "copy"
-Kind = bool | str
+class RoundKind(Enum):
+    """What a pacer measures and chooses between."""
+
+    DRAFT = "draft"  # a round whose tokens the draft model proposed
+    PLAIN = "plain"  # a plain target step
+    COPY = "copy"  # a round that verified a copy (prompt lookup or the n-gram pool)
+
+
+class TextKind(Enum):
+    """The kind of text an answer is in: the draft agrees with the target far more often in code
+    than in the prose around it, so each has its own pacer and the server's memory of its own."""
+
+    PROSE = "prose"
+    CODE = "code"
+
+
+DRAFT, PLAIN, COPY = RoundKind.DRAFT, RoundKind.PLAIN, RoundKind.COPY
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A pacer's choice for the next round: the draft model or a plain step. ``held``: a plain
+    step only because the draft's catch-up would not pay over the rest of the answer, not because
+    plain steps are cheaper (it is no probe of them)."""
+
+    kind: RoundKind
+    held: bool = False
+
 
 # The most acceptance a round may need before the draft model is never run: the draft's agreement
 # with the target on code, teacher-forced on held-out answers (docs/benchmarks.md, "A layer-pruned
@@ -251,152 +276,158 @@ class Pacer:
     the order doubles the interval (up to :meth:`_longest`), one that reverses it, or alone beat
     the preferred kind, starts it over. A probe of the draft model is skipped while even a round
     that kept every drafted token would not beat a plain step.
-    Which kind runs changes the passes only: every token follows the target's rule, so greedy
-    output is the same and sampled output keeps its distribution."""
+
+    :meth:`choose` only answers; :meth:`record` and :meth:`record_copy` count a round, and
+    :meth:`offer_copy` counts an offer. Which kind runs changes the passes only: every token
+    follows the target's rule, so greedy output is the same and sampled output keeps its
+    distribution."""
 
     # How far one round moves its kind's averages: a running mean over the request's rounds of that
     # kind, what the server measured before counting as PRIOR_ROUNDS of them, down to WEIGHT. Each
-    # request learns its own text fast (a prose answer where the draft model pays 1.2x, after
-    # others where it did not), and a long one is not swayed by a few unlucky rounds: a speculative
-    # round keeps 1 to K + 1 tokens, and a fixed weight of 0.3 turned requests on code, where the
-    # draft model paid 1.45x, to plain steps (2026-11-25, AVX-512: best 4% behind sd on coding).
+    # request learns its own text fast, and a long one is not swayed by a few unlucky rounds: a
+    # speculative round keeps 1 to K + 1 tokens, and a fixed weight turned requests on code, where
+    # the draft model paid, to plain steps (docs/design.md, "Speculating only while it pays").
     PRIOR_ROUNDS = 2
     WEIGHT = 0.1
     MEMORY_WEIGHT = 0.05  # the server's memory of a kind of text: its rounds' mean, then the last twenty-odd
     MIN_INTERVAL = 8
     MAX_INTERVAL = 32
-    # A probe of the draft model where plain steps pay costs about 2.2 plain steps (its catch-up
-    # over the tokens it missed, four draft steps, a verify and the reshapes after it, for 1-2
-    # tokens on prose: 2026-11-25, AVX-512); a probe of a plain step where the draft model pays,
-    # about 0.3. So the draft model is probed at most half as often.
+    # A probe of the draft model where plain steps pay costs several times what a probe of a plain
+    # step costs where the draft model pays (its catch-up, draft steps, a verify and the reshapes
+    # after it, for a token or two on prose; docs/design.md, "Speculating only while it pays"):
+    # so the draft model is probed at most half as often.
     MAX_SPECULATIVE_INTERVAL = 2 * MAX_INTERVAL
     PROBE_CATCH_UP = 4.0
     HYSTERESIS = 0.25
 
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
-    # True: rounds with the draft model; False: plain steps; COPY: rounds that verified a copy
-    memory: dict[Kind, Figures] = field(default_factory=dict)
-    figures: dict[Kind, Figures] = field(default_factory=dict)
+    memory: dict[RoundKind, Figures] = field(default_factory=dict)
+    figures: dict[RoundKind, Figures] = field(default_factory=dict)
     streak: int = 0  # rounds of the cheaper kind since the last probe
     interval: int = MIN_INTERVAL
     offers: int = 0  # copies offered while copies were the dearer kind
-    rounds: dict[Kind, int] = field(default_factory=dict)  # of each kind, in this request
-    _prefers_draft: bool | None = field(default=None, init=False)  # (see _cheaper)
-    # the last decision kept plain steps only because the draft's catch-up would not pay
-    _held: bool = field(default=False, init=False)
+    rounds: dict[RoundKind, int] = field(default_factory=dict)  # of each kind, in this request
+    _preferred: RoundKind | None = field(default=None, init=False)  # (see _update_preference)
 
     def __post_init__(self) -> None:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
-        if self._both():  # the server knows which kind pays on this text: probes of plain steps seldom
-            # (about 0.3 plain steps each); where plain steps paid before, the draft model is
-            # probed on this request's own text after MIN_INTERVAL rounds, then less and less
-            # often (starting at 64, short answers never met it: 53 plain rounds of 57 on a
-            # prompt where `sd` made 1.22x `ar`, 2026-11-26, AVX-512 AMD VM)
-            self.interval = self.MAX_INTERVAL if self._cheaper() else self.MIN_INTERVAL
+        if self._both():  # the server knows which kind pays on this text: probes of plain steps seldom;
+            # where plain steps paid before, the draft model is probed on this request's own text
+            # after MIN_INTERVAL rounds, then less and less often (starting at the longest interval,
+            # short answers never met it: docs/design.md, "Speculating only while it pays")
+            self._update_preference()
+            self.interval = self.MAX_INTERVAL if self.preferred is DRAFT else self.MIN_INTERVAL
 
     def _longest(self) -> int:
         """The longest interval between probes, by what a probe costs: of a plain step where the
         draft model pays, of the draft model where plain steps do."""
-        return self.MAX_INTERVAL if self._cheaper() else self.MAX_SPECULATIVE_INTERVAL
+        return self.MAX_INTERVAL if self.preferred is DRAFT else self.MAX_SPECULATIVE_INTERVAL
 
     def _both(self) -> bool:
-        return True in self.figures and False in self.figures
+        return DRAFT in self.figures and PLAIN in self.figures
 
-    def _cheaper(self) -> bool:
-        """Whether the draft model is the kind to run: it stays so until plain steps are cheaper
-        by :attr:`HYSTERESIS`, and becomes so as soon as it is cheaper. On prose at a short
-        context its rounds pay 5-20% over a set of answers but vary more than that over a few
-        rounds (1 to 5 tokens each), and a switch to plain steps lasts eight rounds or more,
-        then pays new pass shapes and the draft's catch-up: with the plain comparison, runs of
-        50-100 plain steps took `best` to 0.94x `sd` on general chat (2026-11-26, AVX-512 AMD
-        VM). Where plain steps truly pay (2,000 tokens of history: the draft's rounds 30-40%
-        dearer a token) the margin is passed within a few rounds."""
-        draft, plain = self.figures[True].cost, self.figures[False].cost
-        if self._prefers_draft is None:  # (the first comparison: from the memory, or a try and a step)
-            self._prefers_draft = draft <= (1 + self.HYSTERESIS) * plain
-        elif not self._prefers_draft:
-            self._prefers_draft = draft <= plain
-        elif plain * (1 + self.HYSTERESIS) < draft:
-            self._prefers_draft = False
-        return self._prefers_draft
+    @property
+    def preferred(self) -> RoundKind:
+        """The kind to run between probes, the draft model or plain steps (once both are measured)."""
+        assert self._preferred is not None, "the preferred kind is known once both kinds are measured"
+        return self._preferred
+
+    def _update_preference(self) -> None:
+        """Weigh the two kinds' figures again (called whenever they move, once both are measured):
+        the draft model stays preferred until plain steps are cheaper by :attr:`HYSTERESIS`, and
+        becomes so as soon as it is cheaper; the first comparison (from the memory, or a try and a
+        step) gives it the margin. On prose at a short context its rounds pay a little over a set
+        of answers but vary more than that over a few rounds (1 to 5 tokens each), and a switch to
+        plain steps lasts eight rounds or more, then pays new pass shapes and the draft's
+        catch-up; where plain steps truly pay (thousands of tokens of history) the margin is
+        passed within a few rounds (docs/design.md, "Speculating only while it pays")."""
+        draft, plain = self.figures[DRAFT].cost, self.figures[PLAIN].cost
+        if self._preferred is None:
+            prefers_draft = draft <= (1 + self.HYSTERESIS) * plain
+        elif self._preferred is PLAIN:
+            prefers_draft = draft <= plain
+        else:
+            prefers_draft = not plain * (1 + self.HYSTERESIS) < draft
+        self._preferred = DRAFT if prefers_draft else PLAIN
 
     def _could_pay(self) -> bool:
         """Whether a round of the draft model's average duration that kept ``most`` tokens would
         beat plain steps (after thousands of tokens a verify pass and a trim can cost more)."""
-        return self.figures[True].seconds / self.most < self.figures[False].cost
+        return self.figures[DRAFT].seconds / self.most < self.figures[PLAIN].cost
 
     def bar(self) -> float:
         """What the kind of round this pacer prefers gains, in tokens per plain step's time: the
         draft model's measured pace where its rounds have been the cheaper kind, else 1 (plain
         steps). A copied draft must beat it to be worth its verify rows."""
-        if not self._both() or not self._cheaper():
+        if not self._both() or self.preferred is PLAIN:
             return 1.0
-        return max(1.0, self.figures[False].cost / self.figures[True].cost)  # (within the hysteresis: 1)
+        return max(1.0, self.figures[PLAIN].cost / self.figures[DRAFT].cost)  # (within the hysteresis: 1)
 
-    def copy(self) -> bool:
-        """Whether to verify a copy offered this round (priced worth its rows): where copies have
-        kept more tokens per second than the kind this pacer prefers, or are not measured yet;
-        else one offer in :attr:`MIN_INTERVAL`, to measure them again. Their price comes from
-        start-up timings of passes of one width each; what they really cost here (the widths
-        changing from round to round, the draft catching up after them) only rounds measure:
-        on code, where the draft model lands four tokens in five, copies cost `hybrid` 2% against
-        `speculative` (2026-11-25, AVX-512)."""
-        known = [self.figures[kind].cost for kind in (True, False) if kind in self.figures]
+    def offer_copy(self) -> bool:
+        """Offer this round's copy (priced worth its rows): whether to verify it. Yes where copies
+        have kept more tokens per second than the kind this pacer prefers, or are not measured
+        yet; else one offer in :attr:`MIN_INTERVAL` (counted here), to measure them again. Their
+        price comes from start-up timings of passes of one width each; what they really cost here
+        (the widths changing from round to round, the draft catching up after them) only rounds
+        measure (docs/design.md, "Lookup copies at their price")."""
+        known = [self.figures[kind].cost for kind in (DRAFT, PLAIN) if kind in self.figures]
         if COPY not in self.figures or not known or self.figures[COPY].cost <= min(known):
             return True
         self.offers += 1
         return self.offers % self.MIN_INTERVAL == 0
 
-    def speculate(self, switch: float = 0.0, remaining: int = 0) -> bool:
-        """Whether the next round runs the draft model. ``switch``: the seconds it would first
-        spend reading what it missed while it did not run (the prompt, plain steps); ``remaining``:
-        the tokens the answer may still take. A switch to the draft model may cost
-        :attr:`PROBE_CATCH_UP` plain steps of catch-up; one that costs more must earn it back over
-        the rest of the answer at the measured pace (after 2,000 tokens of history the draft's
-        first read of its window, 0.5 s, costs more than the rounds it could run win back)."""
-        self._held = False
-        if True not in self.figures:  # not measured yet: try it
-            return True
-        if False not in self.figures:  # then a plain step, to compare
-            return False
+    def choose(self, switch: float = 0.0, remaining: int = 0) -> Choice:
+        """Which kind the next round runs (it changes nothing). ``switch``: the seconds the draft
+        model would first spend reading what it missed while it did not run (the prompt, plain
+        steps); ``remaining``: the tokens the answer may still take. A switch to the draft model
+        may cost :attr:`PROBE_CATCH_UP` plain steps of catch-up; one that costs more must earn it
+        back over the rest of the answer at the measured pace (after thousands of tokens of
+        history the draft's first read of its window costs more than the rounds it could run win
+        back): else a plain step runs, ``held``."""
+        if DRAFT not in self.figures:  # not measured yet: try it
+            return Choice(DRAFT)
+        if PLAIN not in self.figures:  # then a plain step, to compare
+            return Choice(PLAIN)
         if self.streak < self.interval:
-            if not self._cheaper():
-                return False
-            gain = (self.figures[False].cost - self.figures[True].cost) * remaining
-            self._held = switch > max(gain, self._probe_budget())
-            return not self._held
+            if self.preferred is PLAIN:
+                return Choice(PLAIN)
+            gain = (self.figures[PLAIN].cost - self.figures[DRAFT].cost) * remaining
+            return Choice(PLAIN, held=True) if switch > max(gain, self._probe_budget()) else Choice(DRAFT)
         affordable = switch <= self._probe_budget()
-        return not self._cheaper() and self._could_pay() and affordable  # a probe of the other kind
+        probe = self.preferred is PLAIN and self._could_pay() and affordable  # a probe of the other kind
+        return Choice(DRAFT if probe else PLAIN)
 
     def _probe_budget(self) -> float:
         """The catch-up a switch to the draft model may cost whatever it gains: a few plain steps."""
-        return self.PROBE_CATCH_UP * self.figures[False].seconds
+        return self.PROBE_CATCH_UP * self.figures[PLAIN].seconds
 
-    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
-        """Count a round: ``seconds`` for ``tokens`` new tokens, without the draft's catch-up (a
-        cost of switching, weighed in :meth:`speculate`: counted in its round, a probe after 64
-        plain steps looked dearer than plain steps and confirmed them, on prose and on code)."""
-        held, self._held = self._held, False
+    def record(self, kind: RoundKind, seconds: float, tokens: int, held: bool = False) -> None:
+        """Count a round of ``kind`` (the draft model or a plain step; ``held``: as
+        :meth:`choose` chose it): ``seconds`` for ``tokens`` new tokens, without the draft's
+        catch-up (a cost of switching, weighed in :meth:`choose`: counted in its round, a probe
+        after many plain steps looked dearer than plain steps and confirmed them)."""
+        assert kind is not COPY, "a copy's round is counted by record_copy"
         both = self._both()
-        order = self._cheaper() if both else None
-        probe = both and speculative != order and not held  # (a held plain step is no probe)
+        order = self.preferred if both else None
+        probe = both and kind is not order and not held  # (a held plain step is no probe)
         # A probe that alone beat the preferred kind's average (a plain step, by the hysteresis) is
         # not a confirmation, even where it did not yet move its own kind's average past it: the
         # next probe comes soon.
-        margin = 1.0 if speculative else 1 + self.HYSTERESIS
-        promising = probe and margin * seconds / max(tokens, 1) < self.figures[not speculative].cost
+        margin = 1.0 if kind is DRAFT else 1 + self.HYSTERESIS
+        other = PLAIN if kind is DRAFT else DRAFT
+        promising = probe and margin * seconds / max(tokens, 1) < self.figures[other].cost
         if promising:  # what changed may make the older rounds of its kind stale: it weighs as a first
-            self.rounds[speculative] = 0
-        self._measure(speculative, seconds, tokens)
+            self.rounds[kind] = 0
+        self._measure(kind, seconds, tokens)
         if not both:
             return
-        if held and self._cheaper() == order:
+        if held and self.preferred is order:
             return
         if probe:
             self.streak = 0
-            confirmed = self._cheaper() == order and not promising
+            confirmed = self.preferred is order and not promising
             self.interval = min(2 * self.interval, self._longest()) if confirmed else self.MIN_INTERVAL
-        elif self._cheaper() != order:  # its own average says the other kind is cheaper now
+        elif self.preferred is not order:  # its own average says the other kind is cheaper now
             self.streak, self.interval = 0, self.MIN_INTERVAL
         else:
             self.streak += 1
@@ -405,19 +436,21 @@ class Pacer:
         """Count a round that verified a copy: ``seconds`` for ``tokens`` new tokens."""
         self._measure(COPY, seconds, tokens)
 
-    def _measure(self, kind: Kind, seconds: float, tokens: int) -> None:
+    def _measure(self, kind: RoundKind, seconds: float, tokens: int) -> None:
         n = self.rounds[kind] = self.rounds.get(kind, 0) + 1
         self._move(self.figures, kind, seconds, tokens, max(self.WEIGHT, 1 / (n + self.PRIOR_ROUNDS)))
+        if kind is not COPY and self._both():
+            self._update_preference()
         # (a running mean from the server's first round: a fixed weight kept the first round's
-        # figure, the dearest, with its new shapes, for the next twenty-odd requests; on held-out
-        # code the draft model then looked dearer than plain steps, 75 against 61 ms a token,
-        # where its rounds cost about 35, and no request ran it long enough to correct that)
+        # figure, the dearest, with its new shapes, for the next twenty-odd requests, and no
+        # request ran the draft model long enough to correct it: docs/design.md, "Speculating
+        # only while it pays")
         seen = self.memory[kind].rounds + 1 if kind in self.memory else 1
         self._move(self.memory, kind, seconds, tokens, max(self.MEMORY_WEIGHT, 1 / seen))
         self.memory[kind].rounds = seen
 
     @staticmethod
-    def _move(figures: dict[Kind, Figures], kind: Kind, seconds: float, tokens: int, weight: float) -> None:
+    def _move(figures: dict[RoundKind, Figures], kind: RoundKind, seconds: float, tokens: int, weight: float) -> None:
         if kind in figures:
             figures[kind].move(seconds, tokens, weight)
         else:
@@ -431,7 +464,7 @@ class Pacing:
 
     def __init__(self, costs: PassCosts | None = None):
         self.costs = costs
-        self._memory: dict[bool, dict[Kind, Figures]] = {False: {}, True: {}}
+        self._memory: dict[TextKind, dict[RoundKind, Figures]] = {text: {} for text in TextKind}
         self._reading: Figures | None = None  # the draft model catching up: seconds and tokens read
 
     def learn_reading(self, seconds: float, tokens: int) -> None:
@@ -457,6 +490,6 @@ class Pacing:
         """How many of ``offered`` copied tokens to verify (:meth:`PassCosts.worth_copying`)."""
         return offered if self.costs is None else self.costs.worth_copying(offered, acceptance, context, bar)
 
-    def pacer(self, in_code: bool, most: int) -> Pacer:
-        """A request's pacer for code (``in_code``) or prose, starting from what the server measured."""
-        return Pacer(most=most, memory=self._memory[in_code])
+    def pacer(self, text: TextKind, most: int) -> Pacer:
+        """A request's pacer for ``text`` (code or prose), starting from what the server measured."""
+        return Pacer(most=most, memory=self._memory[text])

@@ -27,7 +27,7 @@ import numpy as np
 from engine.core.drafters import CopyDrafter, Price
 
 # The run of tokens a pool entry follows: long enough that what follows it in one answer usually
-# follows it in another, short enough to recur across answers (docs/benchmarks.md, "An n-gram pool
+# follows it in another, short enough to recur across answers (docs/design.md, "An n-gram pool
 # across requests").
 NGRAM = 4
 # Entries per pool (int32 each: 1 MiB). A 500-token answer writes 500; past a few hundred answers

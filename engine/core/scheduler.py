@@ -394,7 +394,7 @@ class Scheduler:
             job.decoder.prefill_chunk = decoding.PREFILL_CHUNK
         if next(job.prefill, None) is None:
             job.prefill = None
-            job.decoder.room()
+            job.decoder.finish_if_full()
         else:  # how far the prompt is read, for a progress bar
             self._put(job, Event("progress", metrics=job.stats.snapshot()))
         self._mark_progress()
