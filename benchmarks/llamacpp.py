@@ -30,7 +30,7 @@ from pathlib import Path
 
 from engine.cli import free_port
 from engine.errors import EngineError
-from engine.prepare import sources
+from engine.prepare import disk, sources
 from engine.prepare.pipeline import cache_dir_from_args, local_source, log
 from engine.prepare.sources import Kind
 
@@ -107,9 +107,9 @@ def build_tools(cache_dir: Path) -> Path:
     if all(tool_binary(cache_dir, name).exists() for name in TOOLS):
         log(f"llama.cpp: already built in {out}")
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
-        work = Path(tmp)
+    # Under the folder's lock, as a preparation builds: a preparation starting meanwhile takes an
+    # unlocked build folder for one an interrupted run left, and removes it.
+    with disk.exclusive(out, "tools", log) as work:
         log(f"llama.cpp: downloading the source package {SOURCE_PACKAGE}")
         _run(
             [
