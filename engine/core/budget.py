@@ -24,9 +24,8 @@ DEFAULT_SHARE = 0.3
 # buffers, a pass's activations.
 HEADROOM = 768 * 2**20
 # What the process holds per byte of a cache's entries: a chunk's attention scratch grows with the
-# context beside them. Measured while a long prompt is read into the default target (2-core AVX-512
-# machines, 2026-11-25 and 2026-11-26): 72-78 KB of resident memory per token against 57 KB of f32
-# entries.
+# context beside them, as a long prompt read into the default target shows (docs/benchmarks.md,
+# "Memory").
 RESIDENT_PER_CACHED_BYTE = 1.5
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 

@@ -34,9 +34,8 @@ DYNAMIC_QUANTIZATION = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128}
 # its size is counted as it is held.
 TARGET_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", **DYNAMIC_QUANTIZATION}
 # The draft's rounding cannot change the output, so it runs with the fastest settings measured.
-# f32 compute: on an AMX machine (2026-11-23) the plugin's default bf16 made a 2-token draft step
-# 30 ms against 17 ms (docs/benchmarks.md, "Tried and dropped"); on an AVX-512 machine without
-# AMX (2026-11-22) the two were within 5%.
+# f32 compute: on an AMX machine the plugin's default bf16 made a draft step slower, and on an
+# AVX-512 machine without AMX no faster (docs/benchmarks.md, "Tried and dropped").
 DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # A masked rollback compacts the cache once it holds more dropped entries than this; the
 # compaction costs one ordinary trim.

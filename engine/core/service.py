@@ -2,11 +2,13 @@
 
 Every piece of work runs on the single worker thread (:mod:`engine.core.scheduler`), so the KV
 caches are never touched by two requests at once; callers read their own request's events only
-(:mod:`engine.core.requests`). The worker serves up to ``max_batch`` requests together: each
-iteration runs one prefill chunk of a request still reading its prompt, then advances the requests
-that are generating: one alone runs speculative rounds on its own caches; several run one batched
-target pass together (:mod:`engine.core.batch`), where one pass costs little more than a single
-row's and speculation no longer pays (docs/design.md, "Batching"). Further requests wait in the
+(:mod:`engine.core.requests`). The worker serves up to ``max_batch`` requests together. Each
+iteration reads the prompts short enough for one pass and runs the first rounds due, one at a time
+on their requests' own caches; then the shared work: one batched target pass over the requests
+that generate together (:mod:`engine.core.batch`), where a pass costs little more than a single
+row's and speculation no longer pays (docs/design.md, "Batching"), or, where none batch, a round
+of each alone (speculative, on its own caches); then side work in one more client's share of the
+time: a slice of a long prompt, a round of a row too wide to batch. Further requests wait in the
 queue. Here the models are loaded, and a request is checked before it reaches the worker.
 """
 
@@ -18,7 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.core import chat
 from engine.core.budget import MemoryBudget, gigabytes
@@ -262,7 +264,7 @@ class Engine:
             session.reset()
 
 
-def _stop_ids(ir_dir: Path, tokenizer) -> set[int]:
+def _stop_ids(ir_dir: Path, tokenizer: Any) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
         token_id = tokenizer.convert_tokens_to_ids(name)

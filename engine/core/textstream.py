@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class IncrementalDecoder:
@@ -15,7 +16,7 @@ class IncrementalDecoder:
 
     CONTEXT = 4  # earlier tokens kept as the window's start when continuing a text
 
-    def __init__(self, tokenizer, before: Sequence[int] = ()):
+    def __init__(self, tokenizer: Any, before: Sequence[int] = ()) -> None:
         """``before``: the tokens of the text this stream continues (their text is not repeated)."""
         self.tokenizer = tokenizer
         self.ids: list[int] = list(before[-self.CONTEXT :])

@@ -25,9 +25,9 @@ class Compression:
     group_size: int = 128
     ratio: float = 1.0
     all_layers: bool = False
-    # Symmetric weights: on an AVX2 CPU without VNNI (2026-11-24) the plugin's int4 kernel runs a
-    # decode step 1.28x faster than with zero points, for the same top-1 agreement
-    # (docs/benchmarks.md, "An AVX2 machine"); on AVX-512 the two were within noise.
+    # Symmetric weights: on an AVX2 CPU without VNNI the plugin's int4 kernel runs a decode step
+    # faster than with zero points, for the same top-1 agreement; on AVX-512 the two were within
+    # noise (docs/benchmarks.md, "An AVX2 machine").
     sym: bool = True
 
     def __post_init__(self) -> None:
