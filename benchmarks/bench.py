@@ -33,6 +33,7 @@ from benchmarks import llamacpp
 from benchmarks.report import add_output_arguments, write_text
 from engine import report
 from engine.cli import CODING_PROMPTS
+from engine.core.chat import Message
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.runtime import Runtime
@@ -277,7 +278,7 @@ def best_trails(rows: list[dict], tolerance: float = BEST_TOLERANCE) -> str | No
     return f"best ({speed['best']:.1f} tokens/s) trails {fastest} ({ours[fastest]:.1f}) by more than {tolerance:.0%}"
 
 
-def chat_history(engine: Engine, tokens: int) -> tuple[dict, ...]:
+def chat_history(engine: Engine, tokens: int) -> tuple[Message, ...]:
     """A conversation of about ``tokens`` tokens to put before each prompt: this project's own
     source pasted in a first turn, and a short reply (a coding chat a few turns in)."""
     if not tokens:
@@ -297,7 +298,7 @@ def run_bench(
     ks: list[int],
     n: int,
     peers: dict[str, Peer],
-    history: tuple[dict, ...] = (),
+    history: tuple[Message, ...] = (),
 ) -> list[Run]:
     runs: list[Run] = []
     for prompt_id, prompt in prompts:

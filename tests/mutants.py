@@ -88,7 +88,7 @@ MUTATIONS = [
     Mutation(
         "cancel never checked",
         "engine/core/scheduler.py",
-        "elif job.cancel.is_set():",
+        "elif job.cancelled:",
         "elif False:",
         "Stop and closed tabs no longer stop the engine",
         "tests/test_decoding.py::test_cancelling_a_stream_stops_the_engine_within_one_round",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
+from engine.core.requests import EventKind
 from engine.interface import EngineClient
 from ui import streaming
 from ui.render import (
@@ -328,13 +329,13 @@ def stream_answer(
             if event is None:  # nothing new: yield anyway, so that Stop can take effect now
                 yield ChatUpdate()
                 continue
-            if event.kind == "progress":
+            if event.kind == EventKind.PROGRESS:
                 if time.monotonic() - drawn_at >= streaming.REDRAW_S:
                     drawn_at, placeholder = time.monotonic(), True
                     reading = {**answer, "content": reading_line(event.metrics)}
                     yield drawn(box, turns, reading, colour, "reading…", gr.skip(), event.metrics)
                 continue
-            if event.kind == "error":
+            if event.kind == EventKind.ERROR:
                 gr.Warning(event.error)
                 if not continuing:  # (a continued answer keeps what it had)
                     answer["content"], answer["failed"], turns[-2]["failed"] = event.error, True, True
@@ -348,7 +349,7 @@ def stream_answer(
             if not event.final and time.monotonic() - drawn_at < streaming.REDRAW_S:
                 continue
             drawn_at = time.monotonic()
-            status = {"delta": "streaming…", "error": "error"}.get(event.kind, "")
+            status = {EventKind.DELTA: "streaming…", EventKind.ERROR: "error"}.get(event.kind, "")
             yield drawn(box, turns, answer, colour, status, throughput.plot(event.final), event.metrics)
     finally:
         events.close()

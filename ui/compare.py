@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import gradio as gr
 import pandas as pd
 
-from engine.core.requests import Request
+from engine.core.chat import Message
+from engine.core.requests import EventKind, Request
 from engine.errors import EngineError
 from engine.interface import EngineClient
 from engine.report import PAPER_COLUMNS, markdown_table, speedup
@@ -221,7 +222,7 @@ def compare(
                 if event is None:
                     yield CompareUpdate()
                     continue
-                if event.kind == "error":
+                if event.kind == EventKind.ERROR:
                     gr.Warning(event.error)
                     run["text"] = f"⚠️ **Could not answer:** {event.error}"
                     yield compare_frame(runs, temperature)
@@ -279,7 +280,7 @@ def _raced(run: dict, now: float) -> tuple[str, str]:
 
 def paper_table(engine: EngineClient, prompt: str, k: float, page: gr.Request | None = None) -> Iterator[str | Skip]:
     """AR vs SD at N = 40 and 100 new tokens, greedy, fresh caches: the paper's table."""
-    messages = ({"role": "user", "content": prompt},)
+    messages: tuple[Message, ...] = ({"role": "user", "content": prompt},)
     rows: list[dict] = []
     for n in PAPER_LENGTHS:
         ar_wall = None
@@ -300,7 +301,7 @@ def paper_table(engine: EngineClient, prompt: str, k: float, page: gr.Request | 
                     if event is None:
                         yield SKIP
                         continue
-                    if event.kind == "error":
+                    if event.kind == EventKind.ERROR:
                         gr.Warning(event.error)
                         yield table_markdown(rows, f"⚠️ {event.error}")
                         return

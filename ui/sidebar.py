@@ -10,6 +10,7 @@ from typing import Any
 import gradio as gr
 
 from engine.core.modes import MODES
+from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from engine.interface import EngineClient
 from ui import streaming
 from ui.render import metrics_html
@@ -71,7 +72,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
             list(engine.modes),
             label="Decoding mode",
             elem_id="mode",
-            value=engine.modes[0],
+            value=DEFAULT_MODE if DEFAULT_MODE in engine.modes else engine.modes[0],
             info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
         )
         with gr.Accordion("Conversations", open=True):
@@ -94,9 +95,11 @@ def create_ui(engine: EngineClient) -> Sidebar:
                 placeholder="Empty: the model's own default",
                 elem_id="system",
             )
-            k = gr.Slider(1, 8, value=4, step=1, label="Draft length K")
-            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature", info="0 = greedy")
-            top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+            k = gr.Slider(1, 8, value=DEFAULT_K, step=1, label="Draft length K")
+            temperature = gr.Slider(
+                0.0, 2.0, value=DEFAULT_TEMPERATURE, step=0.05, label="Temperature", info="0 = greedy"
+            )
+            top_p = gr.Slider(0.05, 1.0, value=DEFAULT_TOP_P, step=0.05, label="Top-p")
             max_new_tokens = gr.Slider(
                 0,
                 max_tokens,

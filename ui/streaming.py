@@ -13,6 +13,7 @@ from typing import Any, ClassVar, cast
 import gradio as gr
 import pandas as pd
 
+from engine.core.chat import Message
 from engine.core.requests import Request
 from engine.core.turns import PAGE, USER
 
@@ -83,7 +84,7 @@ class Settings:
 
 
 def make_request(
-    messages: Sequence[dict],
+    messages: Sequence[Message],
     settings: Settings,
     *,
     context: int,
@@ -118,11 +119,12 @@ def form_int(value: float) -> int:
     return int(value) if _finite(value) and value == int(value) else cast(int, value)
 
 
-def conversation(turns: list[dict], system: str = "") -> list[dict]:
+def conversation(turns: list[dict], system: str = "") -> list[Message]:
     """What the model sees: the system prompt (if any), then the plain text of every turn that
     did not fail."""
-    said = [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]
-    return ([{"role": "system", "content": system}] if system and system.strip() else []) + said
+    said: list[Message] = [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]
+    opening: list[Message] = [{"role": "system", "content": system}] if system and system.strip() else []
+    return opening + said
 
 
 class Throughput:

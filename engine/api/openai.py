@@ -25,7 +25,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.core.requests import Event, Stream
+from engine.core.chat import Message as ChatMessage
+from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Event, EventKind, Stream
 from engine.core.requests import Request as EngineRequest
 from engine.core.turns import ADDRESS, KEY
 from engine.interface import EngineClient
@@ -53,7 +54,7 @@ class Message(BaseModel):
             raise ValueError(f"only text parts are read here, not {', '.join(sorted(map(str, kinds - {'text'})))}")
         return "".join(str(part.get("text", "")) for part in content)
 
-    def chat(self) -> dict[str, str]:
+    def chat(self) -> ChatMessage:
         """The message as the engine's chat template takes it."""
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
@@ -70,14 +71,14 @@ class ChatCompletion(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE  # (the engine's: greedy, where OpenAI's is 1)
+    top_p: float = DEFAULT_TOP_P
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    mode: str = "best"  # extension: the decoding mode
-    k: int = 4  # extension: the draft length where the mode takes one
+    mode: str = DEFAULT_MODE  # extension: the decoding mode
+    k: int = DEFAULT_K  # extension: the draft length where the mode takes one
 
     def engine_request(self, max_context: int) -> EngineRequest:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -219,14 +220,14 @@ def finish_reason(metrics: dict) -> str:
 
 def whole(completion: str, model_id: str, stream: Stream) -> JSONResponse:
     """A non-streamed answer: every event read, one JSON body."""
-    text, final = "", Event("error", error="no answer")
+    text, final = "", Event(EventKind.ERROR, error="no answer")
     try:
         for event in stream:
             text += event.text
             final = event
     finally:
         stream.close()
-    if final.kind == "error":
+    if final.kind == EventKind.ERROR:
         return error(503, final.error, "server_error")
     choice = {
         "index": 0,
@@ -259,10 +260,10 @@ def sse(completion: str, model_id: str, stream: Stream, include_usage: bool) -> 
 
     try:
         yield delta({"role": "assistant", "content": ""})
-        final = Event("error", error="no answer")
+        final = Event(EventKind.ERROR, error="no answer")
         for event in stream:
             final = event
-            if event.kind == "error":
+            if event.kind == EventKind.ERROR:
                 yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
                 break
             if event.text:

@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST
 from engine.cluster.router import AFFINITY
-from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
+from engine.core.requests import STEP_TIMEOUT, Event, EventKind, Request, Stream
 from engine.errors import EngineError
 
 # A request whose replica is gone before its first event is sent again, this many times at most.
@@ -84,7 +84,7 @@ class RemoteStream(Stream):
             self._relay()
         except Exception as exc:  # whatever failed, the stream ends with its last event
             log.exception("a replica's stream failed")
-            self._end(Event("error", error=f"the server failed ({type(exc).__name__})", metrics=self._last))
+            self._end(Event(EventKind.ERROR, error=f"the server failed ({type(exc).__name__})", metrics=self._last))
 
     def _relay(self) -> None:
         """Send the request to a replica and move its events into the stream until the last; a
@@ -93,7 +93,7 @@ class RemoteStream(Stream):
         delivered = False
         for attempt in range(1, ATTEMPTS + 1):
             if self._cancel.is_set():
-                self._end(Event("done", metrics=self._last | {"finish_reason": "cancelled"}))
+                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": "cancelled"}))
                 return
             responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
             self._responses = cast(DeploymentResponseGenerator, responses)
@@ -102,27 +102,27 @@ class RemoteStream(Stream):
             try:
                 for event in self._responses:
                     self._last = event.metrics
-                    if event.kind == "accepted":
+                    if event.kind == EventKind.ACCEPTED:
                         self._verdict.set()
                         continue
-                    if not self._verdict.is_set() and event.kind == "error":
+                    if not self._verdict.is_set() and event.kind == EventKind.ERROR:
                         self.refusal = event.error
-                    delivered = delivered or event.kind == "delta"
+                    delivered = delivered or event.kind == EventKind.DELTA
                     if event.final:
                         self._end(event)
                         return
                     self._events.put(event)
-                self._end(Event("error", error="the replica ended the answer early", metrics=self._last))
+                self._end(Event(EventKind.ERROR, error="the replica ended the answer early", metrics=self._last))
                 return
             except RequestCancelledError:
-                self._end(Event("done", metrics=self._last | {"finish_reason": "cancelled"}))
+                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": "cancelled"}))
                 return
             except GONE as exc:
                 log.warning(f"the replica serving a request stopped (attempt {attempt} of {ATTEMPTS}): {exc}")
                 if delivered:
                     break
                 time.sleep(RETRY_S)
-        self._end(Event("error", error=REPLICA_LOST, metrics=self._last))
+        self._end(Event(EventKind.ERROR, error=REPLICA_LOST, metrics=self._last))
 
     def _end(self, event: Event) -> None:
         self._events.put(event)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from engine.core.requests import Event, Request
+from engine.core.requests import Event, EventKind, Request
 from engine.errors import EngineError
 from engine.startup import start_engine
 
@@ -42,7 +42,7 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         try:
             if not stream.refusal:
-                yield Event("accepted", metrics={"replica": self.replica})
+                yield Event(EventKind.ACCEPTED, metrics={"replica": self.replica})
             while (event := await loop.run_in_executor(self._readers, next, stream, None)) is not None:
                 event.metrics["replica"] = self.replica
                 yield event

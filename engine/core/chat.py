@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from engine.core.runtime import common_prefix
 from engine.errors import EngineError
@@ -21,7 +21,14 @@ _PLACEHOLDER = "\x00specchat-content-{}\x00"
 _PLACEHOLDERS = re.compile("\x00specchat-content-(\\d+)\x00")
 
 
-def check_messages(messages: Sequence[dict]) -> None:
+class Message(TypedDict):
+    """One message of a conversation, as chat templates and OpenAI's API have it."""
+
+    role: str  # one of ROLES
+    content: str
+
+
+def check_messages(messages: Sequence[Message]) -> None:
     """Refuse what no template should see: unknown roles, content that is not text, lone surrogates."""
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
@@ -37,7 +44,7 @@ def check_messages(messages: Sequence[dict]) -> None:
             ) from None
 
 
-def prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     """The conversation through ``tokenizer``'s chat template, ready for the assistant's answer."""
     placeheld = [{"role": m["role"], "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
     rendered = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)

@@ -10,11 +10,18 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-from engine.core.chat import check_messages
+from engine.core.chat import Message, check_messages
 from engine.core.metrics import Stats
 from engine.errors import EngineError
 
+# Each setting's default, the one the API, the UI and a Request built in code all start from: the
+# fastest exact mode, greedy (docs/design.md, "The drafters").
+DEFAULT_MODE = "best"
+DEFAULT_K = 4  # the draft length of a mode that takes one (best has its own)
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_TOP_P = 1.0
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_K = 16
@@ -25,20 +32,20 @@ STEP_TIMEOUT = 120.0
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: a chat (list of {"role", "content"}) or raw prompt token ids.
+    """One generation: a chat (its messages) or raw prompt token ids.
 
     ``answer_ids``: the token ids of an answer cut short (by its cap, or a Stop) to the last
     message of ``messages``: the request continues that answer from where it stopped, its
     tokens exactly as generated (re-tokenized text could split differently)."""
 
-    messages: tuple[dict, ...] = ()
+    messages: tuple[Message, ...] = ()
     prompt_ids: tuple[int, ...] = ()
     answer_ids: tuple[int, ...] = ()
-    mode: str = "speculative"
-    k: int = 4
+    mode: str = DEFAULT_MODE
+    k: int = DEFAULT_K
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
     top_k: int = 0
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
@@ -85,13 +92,23 @@ def _in_range(name: str, value: object, low: float, high: float, whole: bool = F
     )
 
 
+class EventKind(StrEnum):
+    """What an :class:`Event` says."""
+
+    PROGRESS = "progress"  # a long prompt is being read: its metrics say how far (prompt_read of prompt_tokens)
+    DELTA = "delta"  # a round's text
+    DONE = "done"  # the last event: the answer ended (metrics' finish_reason says why)
+    ERROR = "error"  # the last event: the request failed or was refused (error says why)
+    ACCEPTED = "accepted"  # a cluster replica took the request (engine.cluster), before any work
+
+
 @dataclass
 class Event:
-    """``progress`` while a long prompt is read (its metrics say how far: ``prompt_read`` of
-    ``prompt_tokens``), ``delta`` while streaming; a last event ``done`` (or ``error``) carries
-    the final metrics."""
+    """One step of a request's stream: its kind, and what that kind carries (a delta its text and
+    pieces, every event its metrics so far); a last event ``done`` (or ``error``) carries the final
+    metrics and every token of the answer."""
 
-    kind: str
+    kind: EventKind
     text: str = ""
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance) per token
     metrics: dict = field(default_factory=dict)
@@ -100,7 +117,7 @@ class Event:
 
     @property
     def final(self) -> bool:
-        return self.kind in ("done", "error")
+        return self.kind in (EventKind.DONE, EventKind.ERROR)
 
 
 class Stream:
@@ -129,7 +146,7 @@ class Stream:
         """A stream that ends at once with ``error``: the request was refused before it ran."""
         stream = cls(STEP_TIMEOUT, lambda: True)
         stream.refusal, stream.retry_after = error, retry_after
-        stream._events.put(Event("error", error=error, metrics=Stats(mode).snapshot()))
+        stream.put(Event(EventKind.ERROR, error=error, metrics=Stats(mode).snapshot()))
         return stream
 
     def __iter__(self) -> Stream:
@@ -158,7 +175,9 @@ class Stream:
             if self._healthy():
                 return None
             self.cancel()
-            event = Event("error", error=f"the engine did not answer within {self.step_timeout:g} s; try again later")
+            event = Event(
+                EventKind.ERROR, error=f"the engine did not answer within {self.step_timeout:g} s; try again later"
+            )
         self._ended = event.final
         return event
 
@@ -169,6 +188,16 @@ class Stream:
 
     def cancel(self) -> None:
         self._cancel.set()
+
+    # -- the engine's side ------------------------------------------------------------------
+    def put(self, event: Event) -> None:
+        """Deliver ``event`` to the reader (the engine's worker calls this)."""
+        self._events.put(event)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the reader asked to stop (:meth:`cancel`, :meth:`close`)."""
+        return self._cancel.is_set()
 
     def close(self) -> None:
         self.cancel()

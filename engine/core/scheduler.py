@@ -26,7 +26,7 @@ from engine.core.metrics import Baseline, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import Pacing
 from engine.core.pool import Pools
-from engine.core.requests import Event, Request, Stream
+from engine.core.requests import Event, EventKind, Request, Stream
 from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.sessions import Session, SessionPool
@@ -58,8 +58,7 @@ class _Job:
 
     request: Request
     prompt: list[int]
-    events: queue.Queue
-    cancel: threading.Event
+    stream: Stream  # where its events go; its reader may cancel it there
     stats: Stats
     release: Callable[[], None]  # uncounts it for its client (once, whoever is first: see ClientLedger.admit)
     session: Session | None = None
@@ -74,6 +73,10 @@ class _Job:
     @property
     def key(self) -> int:
         return id(self)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled
 
     @property
     def client(self) -> str:
@@ -132,7 +135,7 @@ class Scheduler:
     def submit(self, request: Request, prompt: list[int], stream: Stream, release: Callable[[], None]) -> None:
         """Queue a checked request (``prompt``: its ids); its events go to ``stream``, and
         ``release`` uncounts it for its client when it ends."""
-        self._jobs.put(_Job(request, prompt, stream._events, stream._cancel, Stats(request.mode), release))
+        self._jobs.put(_Job(request, prompt, stream, Stats(request.mode), release))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread, after the queued work, and return its result."""
@@ -195,7 +198,7 @@ class Scheduler:
         once only while places are spare). One that does not fit keeps its turn; one cancelled
         while it waited ends at once."""
         self._collect(block=not (within or self._serving or self._waiting), calls=not within)
-        for dropped in self._waiting.drop(lambda j: j.cancel.is_set()):  # (its client's count falls now)
+        for dropped in self._waiting.drop(lambda j: j.cancelled):  # (its client's count falls now)
             self._finish(dropped, "cancelled")
         running = collections.Counter(job.client for job in self._serving)
         limit = self._clients.limits.running
@@ -249,7 +252,7 @@ class Scheduler:
             if not job.request.reuse_cache:
                 job.session.reset()
                 job.stats.start = time.perf_counter()
-            config = self._decode_config(job.request, job.cancel)
+            config = self._decode_config(job.request, job.stream)
             drafter = job.session.drafters.get(job.request.mode)
             job.decoder = Decoder(job.session.target, drafter, job.prompt, config, job.stats)
             job.prefill = job.decoder.prefill()
@@ -264,7 +267,7 @@ class Scheduler:
             len(job.prompt),
             job.request.mode,
         )
-        if job.cancel.is_set():  # stopped (or its tab closed) while it waited in the queue
+        if job.cancelled:  # stopped (or its tab closed) while it waited in the queue
             self._finish(job, "cancelled")
             return
         self._guard([job], start)
@@ -273,7 +276,7 @@ class Scheduler:
         """Whether the caches ``job`` may grow to fit in the memory budget beside the others',
         after dropping idle conversations' caches (least recently used first; never the one it
         continues). A cancelled job starts (and ends) at once."""
-        if job.cancel.is_set():
+        if job.cancelled:
             return True
         busy = [j.session for j in self._serving if j.session is not None]
         keep = self.sessions.continued(job.prompt, busy)
@@ -396,9 +399,9 @@ class Scheduler:
             job.prefill = None
             job.decoder.finish_if_full()
         else:  # how far the prompt is read, for a progress bar
-            self._put(job, Event("progress", metrics=job.stats.snapshot()))
+            self._put(job, Event(EventKind.PROGRESS, metrics=job.stats.snapshot()))
         self._mark_progress()
-        if job.cancel.is_set():
+        if job.cancelled:
             self._finish(job, "cancelled")
         elif job.decoder.done:  # no room left for even one token
             self._finish(job, job.stats.finish_reason)
@@ -411,7 +414,7 @@ class Scheduler:
             self._batch.leave(job.key)
         for _ in job.decoder.catch_up():
             self._mark_progress()
-            if job.cancel.is_set():
+            if job.cancelled:
                 self._finish(job, "cancelled")
                 return
         self._emit(job, job.decoder.round(), batch_size=1)
@@ -446,16 +449,16 @@ class Scheduler:
         pieces = [(job.detok.push(t), p.value) for t, p in zip(round_.tokens, round_.provenance)]
         job.out += round_.tokens
         delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
-        self._put(job, Event("delta", delta, pieces, job.stats.snapshot(), list(round_.tokens)))
+        self._put(job, Event(EventKind.DELTA, delta, pieces, job.stats.snapshot(), list(round_.tokens)))
         if stopped:
             self._finish(job, "stop")
-        elif job.cancel.is_set():
+        elif job.cancelled:
             self._finish(job, "cancelled")
         elif job.decoder.done:
             tail, stopped = job.stops.push(job.detok.flush())
             tail += "" if stopped else job.stops.flush()
             if tail:
-                self._put(job, Event("delta", tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
+                self._put(job, Event(EventKind.DELTA, tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
             self._finish(job, "stop" if stopped else job.stats.finish_reason)
 
     def _finish(self, job: _Job, reason: str, error: str = "") -> None:
@@ -470,11 +473,11 @@ class Scheduler:
         if job.decoder is not None and not error and job.request.pooled:
             self.pools.learn(job.client, job.decoder.context)
         if error:
-            self._put(job, Event("error", error=error, metrics=metrics, token_ids=job.out))
+            self._put(job, Event(EventKind.ERROR, error=error, metrics=metrics, token_ids=job.out))
             return
         self.baseline.record(metrics)
         metrics["speedup_vs_ar"] = 1.0 if metrics["mode"] == "autoregressive" else self.baseline.speedup(metrics)
-        self._put(job, Event("done", metrics=metrics, token_ids=job.out))
+        self._put(job, Event(EventKind.DONE, metrics=metrics, token_ids=job.out))
 
     def _guard(self, jobs: list[_Job], work: Callable[[], None]) -> None:
         """Run ``work`` for ``jobs``; a failure ends those requests only, with a clear message
@@ -508,9 +511,9 @@ class Scheduler:
 
     def _put(self, job: _Job, event: Event) -> None:
         self._mark_progress()
-        job.events.put(event)
+        job.stream.put(event)
 
-    def _decode_config(self, request: Request, cancel: threading.Event) -> DecodeConfig:
+    def _decode_config(self, request: Request, stream: Stream) -> DecodeConfig:
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
         mode = MODES[request.mode]
         return DecodeConfig(
@@ -519,7 +522,7 @@ class Scheduler:
             request.max_new_tokens,
             sampling,
             self.stop_ids,
-            cancelled=cancel.is_set,
+            cancelled=lambda: stream.cancelled,
             progress=self._mark_progress,
             pacing=self.pacing if mode.paced else None,
             fence_ids=self.fence_ids,
