@@ -1,6 +1,7 @@
 """``python -m benchmarks.fidelity``: how faithful each target precision is to the model in its file.
 
-    python -m benchmarks.fidelity [--precisions int8,int4] [--text-kb 64] [--problems 41] [--llamacpp]
+    python -m benchmarks.fidelity [--precisions int8,int4] [--measures agreement,perplexity,functional]
+        [--text-kb 64] [--problems 41] [--llamacpp]
 
 The file's model is the source (the embedded GGUF by default) dequantized to fp16 and run through
 the same OpenVINO path, in f32. Against it, for each precision of the target:
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from benchmarks import llamacpp
 from benchmarks.bench import load_prompts, own_run
@@ -56,6 +58,7 @@ from engine.prepare.pipeline import (
 )
 from engine.report import Column, markdown_table
 
+MEASURES = ("agreement", "perplexity", "functional")
 PROMPT_SETS = ("coding", "general")
 CONTINUATION = 48  # tokens of the file model's own answer after each prompt
 CHUNK = 512  # llama-perplexity's default context: each chunk read fresh, its second half scored
@@ -73,6 +76,7 @@ COLUMNS = [
     Column("vs the file", "perplexity_vs_file", "{:+.2%}"),
     Column("problems solved", "solved"),
     Column("same text as llama.cpp", "same_as_llamacpp"),
+    Column("tokens/s over its answers", "tokens_per_s", "{:.1f}"),
 ]
 
 
@@ -134,7 +138,7 @@ def perplexity(model: Runtime, ids: list[int]) -> float:
     the tokens of its second half predicted from what precedes them."""
     nll, count = 0.0, 0
     half = CHUNK // 2
-    for start in range(0, len(ids) - CHUNK + 1, CHUNK):
+    for start in tqdm(range(0, len(ids) - CHUNK + 1, CHUNK), desc=f"perplexity, {model.label}", unit="chunk"):
         chunk = ids[start : start + CHUNK]
         model.reset()
         logp = log_softmax(model.forward(chunk, half))[:-1]  # rows predict chunk[half + 1:]
@@ -246,35 +250,12 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     precisions = args.precisions.split(",")
     irs = {p: target_ir(args, p, cache) for p in precisions}
     reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
-    tokenizer = auto_tokenizer(reference_ir)
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
     rows |= {p: {"weights": p, "size_mb": _size_mb(irs[p])} for p in precisions}
 
-    text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
-    reference = Runtime(reference_ir, config=EXACT_CONFIG)
-    sequences = {
-        name: [
-            continued(reference, chat_ids(tokenizer, p)) for _, p in load_prompts(ASSETS / "prompts" / f"{name}.jsonl")
-        ]
-        for name in PROMPT_SETS
-    }
-    ref_logp = {name: [teacher_forced(reference, s) for s in seqs] for name, seqs in sequences.items()}
-    rows[FILE_MODEL]["perplexity"] = perplexity(reference, text_ids)
-    del reference
-    for precision in precisions:
-        model, row = Runtime(irs[precision], config=EXACT_CONFIG), rows[precision]
-        deltas: list[float] = []
-        for name in PROMPT_SETS:
-            row[f"top1_{name}"], d = agreement(ref_logp[name], model, sequences[name])
-            deltas += d
-        row["mean_abs_logprob_diff"] = float(np.mean(deltas))
-        row["perplexity"] = perplexity(model, text_ids)
-        print(f"  {precision}: {json.dumps(row)}", file=sys.stderr, flush=True)
-    for row in rows.values():
-        if "perplexity" in row:
-            row["perplexity_vs_file"] = row["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
-
-    if args.llamacpp:
+    if "agreement" in args.measures or "perplexity" in args.measures:
+        _against_the_file(args, reference_ir, irs, rows)
+    if args.llamacpp and "perplexity" in args.measures:
         tools = llamacpp.build_tools(cache)
         gguf = llamacpp.gguf_file(args.target, cache)
         rows[LLAMACPP] = {
@@ -282,11 +263,44 @@ def run_fidelity(args: argparse.Namespace) -> dict:
             "size_mb": gguf.stat().st_size / 1e6,
             "perplexity": llamacpp_perplexity(tools / "llama-perplexity", gguf, fixed_text(args.text_kb)),
         }
-        rows[LLAMACPP]["perplexity_vs_file"] = rows[LLAMACPP]["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
-    items = problems(args.problems) if args.problems else []
+    for row in rows.values():
+        if "perplexity" in row and "perplexity" in rows[FILE_MODEL]:
+            row["perplexity_vs_file"] = row["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
+    items = problems(args.problems) if "functional" in args.measures else []
     answers = _functional(args, precisions, rows, items) if items else {}
     print(markdown_table(list(rows.values()), COLUMNS))
     return {"rows": list(rows.values()), "task_ids": [p.task_id for p in items], "answers": answers}
+
+
+def _against_the_file(
+    args: argparse.Namespace, reference_ir: Path, irs: dict[str, Path], rows: dict[str, dict]
+) -> None:
+    """Fill in each target's agreement with the file's model and the perplexities."""
+    tokenizer = auto_tokenizer(reference_ir)
+    text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
+    reference = Runtime(reference_ir, config=EXACT_CONFIG)
+    sequences = {
+        name: [
+            continued(reference, chat_ids(tokenizer, p))
+            for _, p in tqdm(load_prompts(prompt_file(name)), desc=f"the file's answers, {name}", unit="prompt")
+        ]
+        for name in (PROMPT_SETS if "agreement" in args.measures else ())
+    }
+    ref_logp = {name: [teacher_forced(reference, s) for s in seqs] for name, seqs in sequences.items()}
+    if "perplexity" in args.measures:
+        rows[FILE_MODEL]["perplexity"] = perplexity(reference, text_ids)
+    del reference
+    for weights, ir in irs.items():
+        model, row = Runtime(ir, config=EXACT_CONFIG), rows[weights]
+        deltas: list[float] = []
+        for name in sequences:
+            row[f"top1_{name}"], d = agreement(ref_logp[name], model, sequences[name])
+            deltas += d
+        if deltas:
+            row["mean_abs_logprob_diff"] = float(np.mean(deltas))
+        if "perplexity" in args.measures:
+            row["perplexity"] = perplexity(model, text_ids)
+        print(f"  {weights}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
 
 def _functional(
@@ -317,7 +331,8 @@ def _functional(
                 tokens, wall, _ = peer.run(chat_ids(tokenizer, problem.question), ANSWER_TOKENS, None)
                 return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), wall
 
-            answers[LLAMACPP], rows[LLAMACPP]["tokens_per_s"] = answer_all(theirs, items, "llama.cpp")
+            row = rows.setdefault(LLAMACPP, {"weights": LLAMACPP})
+            answers[LLAMACPP], row["tokens_per_s"] = answer_all(theirs, items, "llama.cpp")
         finally:
             peer.close()
     for name, texts in answers.items():
@@ -342,7 +357,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"target weights to measure, comma separated: of {PRECISIONS}, or OpenVINO IR folders of the target",
     )
     parser.add_argument("--text-kb", type=int, default=64, help="KB of standard-library source for perplexity")
-    parser.add_argument("--problems", type=int, default=41, help="HumanEval problems answered (0: none)")
+    parser.add_argument(
+        "--measures",
+        default=",".join(MEASURES),
+        type=lambda text: text.split(","),
+        help=f"comma separated, of {', '.join(MEASURES)} (default: all)",
+    )
+    parser.add_argument("--problems", type=int, default=41, help="HumanEval problems the functional check answers")
     parser.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same GGUF as the cross-check")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
