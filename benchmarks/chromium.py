@@ -25,7 +25,7 @@ FOOTERS = "#chatbot .thought"
 DESKTOP: ViewportSize = {"width": 1440, "height": 1350}
 PHONE: ViewportSize = {"width": 390, "height": 844}
 # A whole answer of the real pair without a cap (364 tokens for the LRU example): 90 s at the 4 tokens/s
-# of the slowest 2-core machine seen (2026-11-25), with room for the engine's start-up timing.
+# of the slowest 2-core machine seen, with room for the engine's start-up timing.
 ANSWER_MS = 450_000
 # Records every text the last answer and the metrics panel show, so a stream that is
 # fast on the tiny model is still seen update by update.

@@ -42,7 +42,7 @@ CMAKE_OPTIONS = [
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    # ggml's AMX matmul segfaults on this machine's CPU (Sapphire Rapids class, 2026-11-23) while
+    # ggml's AMX matmul segfaults on Sapphire-Rapids-class CPUs (docs/benchmarks.md, "Peers") while
     # the server loads; gcc keeps these over -march=native, so AVX-512 and the other repacks stay.
     "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
@@ -85,7 +85,7 @@ SWEEP = (
     _drafting("draft n_max 5 + ngram-simple", "--spec-draft-n-max", "5", types="draft-simple,ngram-simple"),
 )
 BY_NAME = {s.name: s for s in SWEEP}
-BEST = BY_NAME["ngram-mod"]  # the fastest in the sweep of 2026-11-23 (docs/benchmarks.md, "llama.cpp at its best")
+BEST = BY_NAME["ngram-mod"]  # the fastest in the sweep (docs/benchmarks.md, "llama.cpp at its best")
 
 
 # What the benchmarks run: the server, and the perplexity tool that cross-checks benchmarks.fidelity.
