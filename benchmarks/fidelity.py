@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -43,6 +44,7 @@ from benchmarks import llamacpp
 from benchmarks.bench import load_prompts, own_run
 from benchmarks.report import add_output_arguments, write_text
 from engine.cli import ASSETS, run_cli
+from engine.core.chat import prompt_ids
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
@@ -85,18 +87,18 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """One user message as the app reads it (its chat template, the same tokens)."""
+    return prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def prompt_file(name: str) -> Path:
     return ASSETS / "prompts" / f"{name}.jsonl"
 
 
-def continued(reference: Runtime, prompt_ids: list[int], n: int = CONTINUATION) -> list[int]:
-    """``prompt_ids`` followed by the reference model's ``n`` greedy tokens."""
-    tokens = list(prompt_ids)
+def continued(reference: Runtime, prompt: list[int], n: int = CONTINUATION) -> list[int]:
+    """``prompt`` followed by the reference model's ``n`` greedy tokens."""
+    tokens = list(prompt)
     reference.reset()
     for _ in range(n):
         tokens.append(int(reference.sync(tokens)[-1].argmax()))
