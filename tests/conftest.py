@@ -46,6 +46,11 @@ def hf_target(tiny_dir, tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_llama(tiny_dir, tokenizer_dir) -> Path:
+    return build_model(tiny_dir / "hf-llama", tokenizer_dir, "llama", seed=3)
+
+
+@pytest.fixture(scope="session")
 def hf_draft(tiny_dir, tokenizer_dir, hf_target) -> Path:
     return build_model(tiny_dir / "hf-draft", tokenizer_dir, base=hf_target, noise=0.15, seed=2)
 

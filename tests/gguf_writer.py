@@ -38,7 +38,7 @@ ARCHES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}
 PRE_TOKENIZER = {"qwen2": "qwen2", "llama": "llama-bpe"}
 
 
-def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter permutation for llama Q/K rows (rotate-half -> interleaved rope).
 
     transformers' LlamaTensorProcessor undoes exactly this when loading a "llama" GGUF.
@@ -72,8 +72,11 @@ def _tokenizer_fields(hf_folder: Path, vocab_size: int) -> tuple[list[str], list
     return tokens, types, merges
 
 
-def write_gguf(hf_folder: Path, out_path: Path) -> Path:
-    """Write ``hf_folder`` (model + byte-level BPE tokenizer) to ``out_path`` as an f32 GGUF.
+def write_gguf(
+    hf_folder: Path, out_path: Path, quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
+) -> Path:
+    """Write ``hf_folder`` (model + byte-level BPE tokenizer) to ``out_path`` as a GGUF: every
+    matrix in ``quantization`` (one gguf-py can quantize, such as Q8_0 or Q4_0), the rest f32.
 
     ``output.weight`` is always written, so the loaded model has
     ``tie_word_embeddings=False`` even when the source model was tied.
@@ -138,11 +141,15 @@ def write_gguf(hf_folder: Path, out_path: Path) -> Path:
         if name is None:
             raise ValueError(f"cannot map tensor {hf_name!r} to a GGUF name")
         if arch == "llama" and ".attn_q." in name:
-            array = _permute_qk(array, n_head)
+            array = permute_qk(array, n_head)
         elif arch == "llama" and ".attn_k." in name:
-            array = _permute_qk(array, n_kv)
+            array = permute_qk(array, n_kv)
         # gguf-py reverses numpy's shape into ggml's ne order itself, like convert_hf_to_gguf.
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if array.ndim == 2 and quantization != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(array, quantization), raw_dtype=quantization)
+        else:
+            writer.add_tensor(name, array)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -19,7 +19,6 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.errors import PrepareError
 from engine.prepare import disk, embedded
 from engine.prepare import pipeline as prepare
@@ -28,9 +27,7 @@ from engine.prepare.pipeline import prepare_one
 from engine.prepare.sources import Kind, Source
 from engine.prepare.vocab import Vocabulary
 from tests.gguf_writer import write_gguf
-from tests.tiny import build_model, build_tokenizer
-
-TOKENS = [5, 17, 42, 99, 150, 3, 77, 200, 11, 64]
+from tests.tiny import TOKENS, build_model, build_tokenizer, ov_logits
 
 
 def torch_logits(hf_folder: Path, tokens: list[int]) -> np.ndarray:
@@ -41,10 +38,6 @@ def torch_logits(hf_folder: Path, tokens: list[int]) -> np.ndarray:
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
-def ov_logits(ir: Path, tokens: list[int]) -> np.ndarray:
-    return Runtime(ir, config=EXACT_CONFIG).forward(tokens, rows=len(tokens))
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "engine.prepare", *args],
@@ -52,11 +45,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         text=True,
         cwd=Path(__file__).parent.parent,
     )
-
-
-@pytest.fixture(scope="module")
-def hf_llama(tiny_dir, tokenizer_dir) -> Path:
-    return build_model(tiny_dir / "hf-llama", tokenizer_dir, "llama", seed=3)
 
 
 @pytest.mark.parametrize("which", ["qwen2", "llama"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CHAT_TEMPLATE = (
@@ -92,3 +93,13 @@ def build_model(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+TOKENS = [5, 17, 42, 99, 150, 3, 77, 200, 11, 64]
+
+
+def ov_logits(ir: Path, tokens: list[int]) -> np.ndarray:
+    """Every row's logits of ``tokens`` in one exact (f32) pass over an empty cache."""
+    from engine.core.runtime import EXACT_CONFIG, Runtime
+
+    return Runtime(ir, config=EXACT_CONFIG).forward(tokens, rows=len(tokens))

@@ -14,7 +14,8 @@ from pathlib import Path
 from engine.errors import PrepareError
 from engine.hf import auto_tokenizer, hide_unloadable_torchvision
 
-PRECISIONS = ("int4", "int8", "fp16")
+# "gguf": a GGUF's own quantized blocks kept as they are (engine.prepare.gguf_blocks).
+PRECISIONS = ("gguf", "int4", "int8", "fp16")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Compression:
             raise PrepareError(f"ratio must be in (0, 1], got {self.ratio}")
 
     def cli_args(self) -> list[str]:
+        if self.precision == "gguf":  # exported as fp16, then the file's blocks put back
+            return ["--weight-format", "fp16"]
         args = ["--weight-format", self.precision]
         if self.precision == "int4":
             args += ["--group-size", str(self.group_size), "--ratio", str(self.ratio)]
@@ -84,6 +87,14 @@ def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
     run_child(cmd, f"exporting {hf_folder} to OpenVINO ({compression.precision})")
 
 
+def keep_gguf_blocks(ir: Path, gguf: Path) -> None:
+    """Put ``gguf``'s own quantized blocks back into the fp16 IR exported from it, in a child process."""
+    run_child(
+        [sys.executable, "-m", "engine.prepare.convert", "blocks", str(ir), str(gguf)],
+        f"keeping {gguf.name}'s quantized blocks",
+    )
+
+
 def _dequantize_main(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -107,7 +118,14 @@ if __name__ == "__main__":
     hide_unloadable_torchvision()
     if len(sys.argv) == 4 and sys.argv[1] == "dequantize":
         _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "blocks":
+        from engine.prepare.gguf_blocks import rewrite_ir
+
+        rewrite_ir(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) > 2 and sys.argv[1] == "export":
         _export_main(sys.argv[1:])
     else:
-        sys.exit("usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | export openvino ARGS...")
+        sys.exit(
+            "usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | blocks IR_DIR GGUF"
+            " | export openvino ARGS..."
+        )

@@ -15,21 +15,24 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
 from engine.errors import PrepareError, TokenizerMismatchError
 from engine.manifest import MANIFEST, read
 from engine.prepare import disk, embedded, sources, vocab
-from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir
+from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir, keep_gguf_blocks
 from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
-# The target answers as the model in the file: int8 agrees with it on the next token where int4
-# (data-free or data-aware) does not (docs/benchmarks.md, "Faithful to the file"). The draft's
-# rounding changes only how many drafts land, never the answer, so it stays as cheap as int4 makes it.
-DEFAULT_PRECISION = {"target": "int8", "draft": "int4"}
+# The target answers as the model in the file: a GGUF keeps its own blocks, any other source gets
+# int8, which agrees with its model on the next token where data-free int4 does not
+# (docs/benchmarks.md, "Faithful to the file"). The draft's rounding changes only how many drafts
+# land, never the answer, so it stays as cheap as int4 makes it.
+DEFAULT_PRECISION = {"target": "gguf", "draft": "int4"}
+# What "gguf" becomes for a source that has no blocks of its own to keep.
+WITHOUT_BLOCKS = "int8"
 # A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
 PERSISTENT_STORAGE = Path("/data")
 
@@ -169,11 +172,21 @@ def _check_architecture(source: Source) -> None:
         sources.check_architecture(sources.hf_model_type(source.local), source.spec)
 
 
+def for_source(compression: Compression, source: Source) -> Compression:
+    """``gguf`` keeps a GGUF's own blocks; a source without blocks gets :data:`WITHOUT_BLOCKS`."""
+    if compression.precision != "gguf" or source.kind in (Kind.GGUF, Kind.EMBEDDED):
+        return compression
+    return replace(compression, precision=WITHOUT_BLOCKS)
+
+
 def prepare_one(spec: str, compression: Compression, cache_dir: Path) -> PreparedModel:
     """Return the IR folder for ``spec``, converting it only if no cache entry exists."""
     source = sources.resolve(spec)
     if source.kind == Kind.OV_IR:
         return PreparedModel(source.local, "as-is", spec, sources.folder_fingerprint(source.local))
+    if (kept := for_source(compression, source)) != compression:
+        log(f"{spec}: not a GGUF file, so no quantized blocks of its own to keep: weights {kept.precision}")
+        compression = kept
     entry = entry_dir(cache_dir, source, compression)
     if hit := cached(entry):
         log(f"{spec}: already prepared ({hit.precision}) at {entry}")
@@ -205,8 +218,13 @@ def _build(spec: str, source: Source, compression: Compression, cache_dir: Path,
     else:
         hf = local.local
     disk.require_free(scratch.parent, _conversion_bytes(Source(spec, Kind.HF_FOLDER, hf)) // 2, f"export {spec}")
-    log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
-    export_ir(str(hf), build, compression)
+    if compression.precision == "gguf":
+        log(f"{spec}: exporting to OpenVINO IR (fp16), then putting the file's quantized blocks back")
+        export_ir(str(hf), build, compression)
+        keep_gguf_blocks(build, local.local)
+    else:
+        log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
+        export_ir(str(hf), build, compression)
     sources.validate_ir(build)
     manifest = {
         "source": spec,
@@ -224,7 +242,9 @@ def _build(spec: str, source: Source, compression: Compression, cache_dir: Path,
 
 def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:
     source = sources.resolve(spec)
-    return source.kind == Kind.OV_IR or cached(entry_dir(cache_dir, source, compression)) is not None
+    if source.kind == Kind.OV_IR:
+        return True
+    return cached(entry_dir(cache_dir, source, for_source(compression, source))) is not None
 
 
 def check_pair(target: str, draft: str, vocabularies: tuple[vocab.Vocabulary, vocab.Vocabulary]) -> None:
@@ -281,7 +301,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
             f"--{role}-precision",
             default=os.environ.get(variable, DEFAULT_PRECISION[role]),
             choices=PRECISIONS,
-            help=f"weights of the {role} (default: ${variable} or {DEFAULT_PRECISION[role]})",
+            help=f"weights of the {role}; gguf keeps a GGUF's own quantized blocks ({WITHOUT_BLOCKS} for other "
+            f"sources) (default: ${variable} or {DEFAULT_PRECISION[role]})",
         )
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
     parser.add_argument("--ratio", type=float, default=1.0, help="share of layers in int4 (rest int8)")
