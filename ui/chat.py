@@ -14,7 +14,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
@@ -139,17 +139,17 @@ class Answers:
         self,
         request: gr.Request | None,
         turns: list[dict],
-        colour: bool,
-        settings: Settings,
-        system: str,
+        form: ChatForm,
         box: str | Skip,
         continuing: bool = False,
     ) -> Iterator[ChatUpdate]:
-        """:func:`stream_answer` for the chat's handlers (which take this object first, as
-        ``answers``), with the session's Stop flag."""
+        """:func:`stream_answer` of ``turns`` with the form's settings, for the chat's handlers
+        (which take this object first, as ``answers``), with the session's Stop flag."""
         with self.answering(request) as stop:
             client = streaming.client_of(request)
-            yield from stream_answer(self.engine, turns, colour, settings, system, box, continuing, stop, client)
+            yield from stream_answer(
+                self.engine, turns, form.colour, form.settings, form.system, box, continuing, stop, client
+            )
 
     def stop(self, request: gr.Request) -> None:
         """Stop: end the session's answer (nothing if none is streaming)."""
@@ -159,77 +159,49 @@ class Answers:
             stop.set()
 
 
-# The answering handlers take the chat's inputs: the turns, the colour checkbox, the sidebar's
-# settings (as Settings.from_form takes them) and the system prompt.
-def respond(
-    answers: Answers,
-    message: str | None,
-    turns: list[dict],
-    colour: bool,
-    mode: str,
-    k: float,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: float,
-    seed: float | None,
-    system: str,
-    request: gr.Request,
-) -> Iterator[ChatUpdate]:
+@dataclass(frozen=True)
+class ChatForm:
+    """What every answering handler reads besides its own event: the turns, the colour checkbox,
+    the sidebar's settings and the system prompt."""
+
+    turns: list[dict]
+    colour: bool
+    settings: Settings
+    system: str
+
+
+# The form's inputs as Gradio passes them after a handler's own (``wire``'s ``chat_in``), named as
+# the API shows them: the turns, the colour, the settings as the sidebar orders them, the system prompt.
+FORM_INPUTS = ("turns", "colour", *(f.name for f in fields(Settings)), "system")
+
+
+def form_of(values: tuple[Any, ...]) -> ChatForm:
+    turns, colour, *settings, system = values
+    return ChatForm(turns, colour, Settings.from_form(**dict(zip(FORM_INPUTS[2:-1], settings, strict=True))), system)
+
+
+def respond(answers: Answers, form: ChatForm, message: str | None, request: gr.Request) -> Iterator[ChatUpdate]:
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
-    turns = [*turns, {"role": "user", "content": message or ""}]
-    settings = Settings.from_form(
-        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
-    )
-    yield from answers.answer(request, turns, colour, settings, system, box="")
+    turns = [*form.turns, {"role": "user", "content": message or ""}]
+    yield from answers.answer(request, turns, form, box="")
 
 
-def retry(
-    answers: Answers,
-    turns: list[dict],
-    colour: bool,
-    mode: str,
-    k: float,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: float,
-    seed: float | None,
-    system: str,
-    request: gr.Request,
-) -> Iterator[ChatUpdate]:
+def retry(answers: Answers, form: ChatForm, request: gr.Request) -> Iterator[ChatUpdate]:
     """Drop the last answer and ask the last user message again (the chat's retry button)."""
-    users = [i for i, t in enumerate(turns) if t["role"] == "user"]
+    users = [i for i, t in enumerate(form.turns) if t["role"] == "user"]
     if not users:
         gr.Warning("Nothing to retry yet: send a message first.")
         return
     last = users[-1]
-    turns = [*turns[:last], {"role": "user", "content": turns[last]["content"]}]
-    settings = Settings.from_form(
-        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
-    )
-    yield from answers.answer(request, turns, colour, settings, system, box=SKIP)
+    turns = [*form.turns[:last], {"role": "user", "content": form.turns[last]["content"]}]
+    yield from answers.answer(request, turns, form, box=SKIP)
 
 
-def edit(
-    answers: Answers,
-    edited: gr.EditData,
-    request: gr.Request,
-    turns: list[dict],
-    colour: bool,
-    mode: str,
-    k: float,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: float,
-    seed: float | None,
-    system: str,
-) -> Iterator[ChatUpdate]:
+def edit(answers: Answers, form: ChatForm, edited: gr.EditData, request: gr.Request) -> Iterator[ChatUpdate]:
     """A user message edited in the chat: the conversation goes on from it, answered again."""
-    at = turn_of(turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
-    turns = [*turns[:at], {"role": "user", "content": str(edited.value)}]
-    settings = Settings.from_form(
-        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
-    )
-    yield from answers.answer(request, turns, colour, settings, system, box=SKIP)
+    at = turn_of(form.turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
+    turns = [*form.turns[:at], {"role": "user", "content": str(edited.value)}]
+    yield from answers.answer(request, turns, form, box=SKIP)
 
 
 def undo(turns: list[dict], colour: bool, undone: gr.UndoData) -> ChatUpdate:
@@ -238,32 +210,16 @@ def undo(turns: list[dict], colour: bool, undone: gr.UndoData) -> ChatUpdate:
     return ChatUpdate(message=turns[at]["content"], chatbot=render_chat(turns[:at], colour), turns=turns[:at])
 
 
-def chosen_option(
-    answers: Answers,
-    chosen: gr.SelectData,
-    request: gr.Request,
-    turns: list[dict],
-    colour: bool,
-    mode: str,
-    k: float,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: float,
-    seed: float | None,
-    system: str,
-) -> Iterator[ChatUpdate]:
+def chosen_option(answers: Answers, form: ChatForm, chosen: gr.SelectData, request: gr.Request) -> Iterator[ChatUpdate]:
     """An option under an answer was clicked: Continue is the one there is. It extends the last
     answer, cut by its cap or a Stop, from where it stopped (its tokens are in the session's KV
     caches: only the last is read again)."""
     if chosen.value != CONTINUE and not (isinstance(chosen.value, dict) and chosen.value.get("value") == CONTINUE):
         return
-    if not turns or not cut(turns[-1]):
+    if not form.turns or not cut(form.turns[-1]):
         gr.Warning("Nothing to continue: the last answer was not cut short.")
         return
-    settings = Settings.from_form(
-        mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
-    )
-    yield from answers.answer(request, turns, colour, settings, system, box=SKIP, continuing=True)
+    yield from answers.answer(request, form.turns, form, box=SKIP, continuing=True)
 
 
 def clipped(text: str, keep: int = 2000) -> str:
@@ -397,16 +353,32 @@ def bound(fn: Callable[..., Any], *leading: object) -> Callable[..., Any]:
     """``partial(fn, *leading)`` as Gradio can read it: Gradio finds the parameters that take an
     event's data (``gr.EditData``...) or its request (``gr.Request``) by their type hints, which a
     partial hides."""
+    parameters = list(inspect.signature(fn).parameters.values())[len(leading) :]
+    return _handler(fn, parameters, lambda args: (*leading, *args))
+
+
+def answering(fn: Callable[..., Iterator[ChatUpdate]], answers: Answers) -> Callable[..., Any]:
+    """``fn(answers, form, *own)`` as a Gradio handler that takes its own inputs and then the
+    form's (:data:`FORM_INPUTS`), which reach ``fn`` as one :class:`ChatForm`."""
+    own = list(inspect.signature(fn).parameters.values())[2:]
+    form = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in FORM_INPUTS]
+    return _handler(fn, own + form, lambda args: (answers, form_of(args[len(own) :]), *args[: len(own)]))
+
+
+def _handler(
+    fn: Callable[..., Any], parameters: list[inspect.Parameter], arguments: Callable[[tuple], tuple]
+) -> Callable[..., Any]:
+    """A function of ``parameters`` (with ``fn``'s type hints, its name and doc) that calls ``fn``
+    with ``arguments(args)``."""
     if inspect.isgeneratorfunction(fn):
 
         def handler(*args: Any) -> Any:
-            yield from fn(*leading, *args)
+            yield from fn(*arguments(args))
     else:
 
         def handler(*args: Any) -> Any:
-            return fn(*leading, *args)
+            return fn(*arguments(args))
 
-    parameters = list(inspect.signature(fn).parameters.values())[len(leading) :]
     handler.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     handler.__annotations__ = {p.name: fn.__annotations__[p.name] for p in parameters if p.name in fn.__annotations__}
     handler.__name__, handler.__doc__ = fn.__name__, fn.__doc__
@@ -425,21 +397,21 @@ def wire(answers: Answers, chat: ChatTab, sidebar: Sidebar, saved: dict[str, Any
     conversation cancels."""
     chat_in = [chat.turns, chat.colour, *sidebar.settings, sidebar.system]
     chat_out = outputs(chat, sidebar)
-    answering: dict[str, Any] = {"show_progress_on": chat.chatbot, **streaming.ENGINE_QUEUE}
+    queued: dict[str, Any] = {"show_progress_on": chat.chatbot, **streaming.ENGINE_QUEUE}
     private = streaming.BOOKKEEPING
     chat_events = [
         gr.on(
             [chat.message.submit, chat.send.click],
-            bound(respond, answers),
+            answering(respond, answers),
             [chat.message, *chat_in],
             chat_out,
             api_name="respond",
-            **answering,
+            **queued,
         ),
-        chat.chatbot.retry(bound(retry, answers), chat_in, chat_out, api_name="retry", **answering),
-        chat.chatbot.edit(bound(edit, answers), chat_in, chat_out, api_visibility="private", **answering),
+        chat.chatbot.retry(answering(retry, answers), chat_in, chat_out, api_name="retry", **queued),
+        chat.chatbot.edit(answering(edit, answers), chat_in, chat_out, api_visibility="private", **queued),
         chat.chatbot.option_select(
-            bound(chosen_option, answers), chat_in, chat_out, api_visibility="private", **answering
+            answering(chosen_option, answers), chat_in, chat_out, api_visibility="private", **queued
         ),
     ]
     for event in chat_events:

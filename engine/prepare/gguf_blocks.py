@@ -25,12 +25,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import gguf
 import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
+from tqdm import tqdm
 
 Q = gguf.GGMLQuantizationType
 # optimum-intel's module names -> the GGUF's tensor names (llama.cpp's convert_hf_to_gguf).
@@ -64,7 +65,7 @@ class Blocks:
             q = q - self.zero.astype(np.float16).astype(np.float32)
         return (q * self.scale.astype(np.float16).astype(np.float32)).reshape(self.codes.shape[0], -1)
 
-    def rows(self, order: np.ndarray) -> Blocks:
+    def rows(self, order: np.ndarray | slice) -> Blocks:
         zero = None if self.zero is None else self.zero[order]
         return Blocks(self.codes[order], self.element, self.scale[order], zero)
 
@@ -175,16 +176,25 @@ def subgraph(blocks: Blocks, shape: list[int], out: ov.Type) -> ov.Output:
     return ops.convert(w, out).output(0) if out != ov.Type.f16 else w.output(0)
 
 
-def matches(blocks: Blocks, weight: np.ndarray) -> bool:
-    decoded = blocks.values()
-    if decoded.shape != weight.shape:
+def matches(blocks: Blocks, weight: np.ndarray, chunk: int = 4096) -> bool:
+    """Whether ``blocks`` stand for ``weight`` up to fp16 rounding; a few thousand rows at a time,
+    so that a vocabulary-sized matrix is never held in f32 whole."""
+    if blocks.codes.shape[0] != weight.shape[0] or blocks.codes[0].size != weight.shape[1]:
         return False
-    scale = np.maximum(np.abs(weight).max(axis=1, keepdims=True), 1e-6)
-    return bool((np.abs(decoded - weight) / scale).max() <= TOLERANCE)
+    for start in range(0, weight.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        expected = weight[rows].astype(np.float32)
+        scale = np.maximum(np.abs(expected).max(axis=1, keepdims=True), 1e-6)
+        if (np.abs(blocks.rows(rows).values() - expected) / scale).max() > TOLERANCE:
+            return False
+    return True
 
 
-def rewrite(model: ov.Model, reader: gguf.GGUFReader, log: Callable[[str], None]) -> Counter[str]:
-    """Replace ``model``'s fp16 weights by the file's blocks in place; count what was done by type."""
+def rewrite(
+    model: ov.Model, reader: gguf.GGUFReader, log: Callable[[str], None], progress: TextIO | None = None
+) -> Counter[str]:
+    """Replace ``model``'s fp16 weights by the file's blocks in place; count what was done by type.
+    A progress bar goes to ``progress`` where given."""
     tensors = {t.name: t for t in reader.tensors}
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     heads = {}
@@ -194,19 +204,22 @@ def rewrite(model: ov.Model, reader: gguf.GGUFReader, log: Callable[[str], None]
             "k_proj": int(reader.fields["llama.attention.head_count_kv"].parts[-1][0]),
         }
     done: Counter[str] = Counter()
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != "Constant" or node.get_element_type() != ov.Type.f16:
-            continue
+    weights = [
+        (node, tensors[key])
+        for node in model.get_ordered_ops()
+        if node.get_type_name() == "Constant"
+        and node.get_element_type() == ov.Type.f16
+        and len(node.get_output_shape(0)) == 2
+        and (key := gguf_name(node.get_friendly_name())) in tensors
+    ]
+    bar = tqdm(weights, desc="keeping the file's blocks", unit="weight", file=progress, disable=progress is None)
+    for node, tensor in bar:
         name, shape = node.get_friendly_name(), list(node.get_output_shape(0))
-        key = gguf_name(name)
-        if len(shape) != 2 or key not in tensors:
-            continue
-        tensor = tensors[key]
         blocks = decode(tensor)
         order = unpermute(name, shape[0], heads)
         if blocks is not None and order is not None:
             blocks = blocks.rows(order)
-        if blocks is None or not matches(blocks, node.get_data().astype(np.float32)):
+        if blocks is None or not matches(blocks, node.get_data()):
             done[f"kept fp16 ({tensor.tensor_type.name})"] += 1
             continue
         for target in list(node.output(0).get_target_inputs()):
@@ -225,7 +238,8 @@ def rewrite_ir(ir: Path, gguf_path: Path) -> None:
     """Rewrite ``ir``'s openvino_model in place with ``gguf_path``'s blocks."""
     xml = ir / "openvino_model.xml"
     model = ov.Core().read_model(xml)
-    rewrite(model, gguf.GGUFReader(gguf_path), lambda m: print(m, file=sys.stderr, flush=True))
+    # stdout: the preparation shows a child's stdout as it goes (engine.prepare.convert.run_child)
+    rewrite(model, gguf.GGUFReader(gguf_path), lambda m: print(m, flush=True), progress=sys.stdout)
     temporary = ir / "blocks.xml"
     ov.save_model(model, temporary, compress_to_fp16=False)
     del model
