@@ -1,6 +1,6 @@
 """``python -m benchmarks.fidelity``: how faithful each target precision is to the model in its file.
 
-    python -m benchmarks.fidelity [--precisions int8,int4] [--measures agreement,perplexity,functional]
+    python -m benchmarks.fidelity [--precisions gguf,int8,int4] [--measures agreement,perplexity,functional]
         [--text-kb 64] [--problems 41] [--llamacpp]
 
 The file's model is the source (the embedded GGUF by default) dequantized to fp16 and run through
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser)
     parser.add_argument(
         "--precisions",
-        default="int8,int4",
+        default="gguf,int8,int4",
         help=f"target weights to measure, comma separated: of {PRECISIONS}, or OpenVINO IR folders of the target",
     )
     parser.add_argument("--text-kb", type=int, default=64, help="KB of standard-library source for perplexity")

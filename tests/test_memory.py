@@ -121,7 +121,13 @@ def test_a_long_prompt_reports_how_far_it_is_read_and_stops_between_chunks(long_
     read = [e.metrics["prompt_read"] for e in events if e.kind == "progress"]
     assert len(read) >= 2000 // PREFILL_CHUNK - 1 and read == sorted(read) and read[-1] < len(prompt)
     assert all(e.metrics["prefill_tokens_per_s"] > 0 for e in events if e.kind == "progress")
-    assert events[-1].kind == "done" and events[-1].metrics["prompt_read"] == len(prompt)
+    done = events[-1].metrics
+    assert events[-1].kind == "done" and done["prompt_read"] == len(prompt)
+    # the rate is over the reading passes alone: what they read over what they took, not the
+    # prompt over them (the first round reads the rest; the opening is copied, not read)
+    assert done["prefill_tokens_per_s"] == pytest.approx(read[-1] / done["prefill_s"])
+    short = long_engine.run(Request(prompt_ids=prompt[:40], mode="autoregressive", max_new_tokens=2))
+    assert short.metrics["prefill_tokens_per_s"] is None
     stream = long_engine.generate(Request(prompt_ids=_prompt(3000, 300, seed=8), mode="autoregressive"))
     first = next(stream)
     assert first.kind == "progress"

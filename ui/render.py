@@ -64,7 +64,7 @@ def footer_details(m: dict) -> str:
     """What the footer opens to: the figures that do not fit on its line."""
     rows = [
         ("time to first token", seconds(m["ttft_s"])),
-        ("prompt read at", f"{m.get('prefill_tokens_per_s', 0.0):.0f} tokens/s"),
+        ("prompt read at", read_rate(m)),
         ("prompt tokens (found in the KV cache)", f"{m['prompt_tokens']} ({m['cached_tokens']})"),
         ("target passes", f"{m['target_passes']}"),
         ("draft / target time", f"{m['draft_s']:.2f} / {m['target_s']:.2f} s"),
@@ -170,7 +170,7 @@ def metrics_html(m: dict, status: str = "") -> str:
         ("acceptance", f"{m['acceptance_rate']:.0%}" if speculative else "—"),
         ("mean accepted length", f"{m['mean_accepted_length']:.2f}"),
         ("time to first token", seconds(m["ttft_s"])),
-        ("prompt read at", f"{m.get('prefill_tokens_per_s', 0.0):.0f} tokens/s"),
+        ("prompt read at", read_rate(m)),
         ("target passes", f"{m['target_passes']}"),
         ("new tokens", f"{m['new_tokens']}"),
         ("draft / target time", f"{m['draft_s']:.2f} / {m['target_s']:.2f} s"),
@@ -192,9 +192,16 @@ def metrics_html(m: dict, status: str = "") -> str:
     )
 
 
+def read_rate(m: dict) -> str:
+    """How fast the prompt's reading passes went; a dash where the prompt was short enough for
+    its first round to read (then no reading pass is timed apart from the first token's work)."""
+    rate = m.get("prefill_tokens_per_s")
+    return f"{rate:,.0f} tokens/s" if rate else "—"
+
+
 def reading_line(m: dict) -> str:
     """Where a long prompt's reading is, for the chat while the answer has not started."""
-    read, total, rate = m["prompt_read"], m["prompt_tokens"], m.get("prefill_tokens_per_s", 0.0)
+    read, total, rate = m["prompt_read"], m["prompt_tokens"], m.get("prefill_tokens_per_s")
     left = f" · about {seconds((total - read) / rate)} left" if rate else ""
     return f"*Reading your message: {read:,} of {total:,} tokens ({read / max(total, 1):.0%}){left}*"
 

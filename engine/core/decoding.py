@@ -125,6 +125,7 @@ class Decoder:
             self.stats.target_passes += self.target.passes - before
             if read is None:
                 return
+            self.stats.prefill_read += read - self.stats.prompt_read
             self.stats.prompt_read = read
             yield read
 

@@ -23,6 +23,7 @@ class Stats:
     cached_tokens: int = 0  # of the prompt, found in the KV cache (not prefilled again)
     prompt_read: int = 0  # of the prompt, in the target's cache so far (it is read in chunks)
     prefill_seconds: float = 0.0  # reading the prompt's chunks
+    prefill_read: int = 0  # prompt tokens those chunks read (not those copied or read by the first round)
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -52,9 +53,10 @@ class Stats:
         self.new_tokens += n
 
     @property
-    def prefill_rate(self) -> float:
-        """Prompt tokens read per second of prefill passes (0 before the first)."""
-        return (self.prompt_read - self.cached_tokens) / self.prefill_seconds if self.prefill_seconds else 0.0
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens read per second of the prefill passes that read them; None where none
+        ran (a short prompt is read by its first round, beside the first token's own work)."""
+        return self.prefill_read / self.prefill_seconds if self.prefill_read and self.prefill_seconds else None
 
     def snapshot(self) -> dict:
         end = self.last_token_at or time.perf_counter()
@@ -70,6 +72,7 @@ class Stats:
             "cached_tokens": self.cached_tokens,
             "prompt_read": self.prompt_read,
             "prefill_tokens_per_s": self.prefill_rate,
+            "prefill_s": self.prefill_seconds,
             "new_tokens": self.new_tokens,
             "wall_s": wall,
             "ttft_s": (self.first_token_at - self.start) if self.first_token_at else None,
