@@ -391,7 +391,7 @@ class Scheduler:
         sized to take about :data:`SLICE_S` at the rate its last passes read."""
         assert job.prefill is not None and job.decoder is not None
         if sliced:
-            width = int(job.stats.prefill_rate * SLICE_S) // SLICE_ROUND * SLICE_ROUND
+            width = int((job.stats.prefill_rate or 0.0) * SLICE_S) // SLICE_ROUND * SLICE_ROUND
             job.decoder.prefill_chunk = min(decoding.PREFILL_CHUNK, max(SLICE_ROUND, width))
         else:
             job.decoder.prefill_chunk = decoding.PREFILL_CHUNK
