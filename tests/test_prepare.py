@@ -285,3 +285,14 @@ def test_the_target_is_int8_unless_asked_and_the_draft_int4(monkeypatch, flags, 
     monkeypatch.setattr(prepare, "prepare_pair", lambda t, d, tc, dc, cache: asked.update(target=tc, draft=dc))
     prepare.prepare_from_args(parser.parse_args(flags))
     assert asked["target"].precision == expected and asked["draft"].precision == "int4"
+
+
+def test_a_childs_output_shows_as_it_comes_and_a_quiet_one_says_how_long_it_has_run(capfd, caplog):
+    from engine.prepare.convert import run_child
+
+    script = "import sys, time; print('step 1', flush=True); time.sleep(0.5); print('step 2'); sys.exit(3)"
+    with caplog.at_level("INFO", logger="specchat.prepare"), pytest.raises(PrepareError) as failed:
+        run_child([sys.executable, "-c", script], "a step", quiet_after=0.2)
+    assert "a step failed (exit 3)" in str(failed.value) and "step 1\nstep 2" in str(failed.value)
+    assert "step 1" in capfd.readouterr().err
+    assert any("a step:" in r.message and "s so far" in r.message for r in caplog.records)

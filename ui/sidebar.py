@@ -1,6 +1,5 @@
-"""The sidebar: the live metrics panel (its cards, the tokens/s plot and the figures as JSON) and
-the decoding mode at its top, then the conversations kept in this browser and the sampling
-settings."""
+"""The sidebar: the decoding mode at its top, the live metrics panel (its cards, the tokens/s plot
+and the figures as JSON), then the conversations kept in this browser and the sampling settings."""
 
 from __future__ import annotations
 
@@ -49,12 +48,20 @@ class Sidebar:
 
 
 def create_ui(engine: EngineClient) -> Sidebar:
-    """The sidebar's layout: the figures and the mode first, then the conversations and the settings."""
+    """The sidebar's layout: the mode and the figures first, then the conversations and the settings."""
     max_tokens = max(16, min(MAX_CAP, engine.max_context))
     with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
-        # What the app is for first: the live figures and the switch between the decoding modes,
-        # in view on a 1366x768 screen; the conversations and the sampling settings below.
+        # What the app is for first: the switch between the decoding modes and the live figures,
+        # in view on a 1366x768 screen; what each mode does, the conversations and the sampling
+        # settings below.
         gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
+        # The switch above the cards: the panel grows with an answer's figures, the switch stays in view.
+        mode = gr.Radio(
+            list(engine.modes),
+            label="Decoding mode",
+            elem_id="mode",
+            value=DEFAULT_MODE if DEFAULT_MODE in engine.modes else engine.modes[0],
+        )
         metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
         tps_plot = gr.LinePlot(
             None,
@@ -68,13 +75,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
             elem_id="tps-plot",
             color_map={"average": "#4f46e5", "this round": "#10b981"},
         )
-        mode = gr.Radio(
-            list(engine.modes),
-            label="Decoding mode",
-            elem_id="mode",
-            value=DEFAULT_MODE if DEFAULT_MODE in engine.modes else engine.modes[0],
-            info=" · ".join(f"{m}: {MODES[m].help}" for m in engine.modes),
-        )
+        gr.Markdown("\n".join(f"- **{m}**: {MODES[m].help}" for m in engine.modes), elem_id="modes-help")
         with gr.Accordion("Conversations", open=True):
             conversations = gr.Dropdown([], label="Open conversation", elem_id="conversations", filterable=False)
             with gr.Row():

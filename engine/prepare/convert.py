@@ -6,14 +6,21 @@ that their peak memory is returned to the system before the next step starts.
 
 from __future__ import annotations
 
+import codecs
+import collections
+import logging
+import os
+import select
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import PrepareError
 from engine.hf import auto_tokenizer, hide_unloadable_torchvision
 
+_log = logging.getLogger("specchat.prepare")  # (engine.prepare.pipeline prints it)
 # "gguf": a GGUF's own quantized blocks kept as they are (engine.prepare.gguf_blocks).
 PRECISIONS = ("gguf", "int4", "int8", "fp16")
 
@@ -53,12 +60,32 @@ class Compression:
         return asdict(self)
 
 
-def run_child(args: list[str], what: str) -> None:
-    """Run a heavy step in a child process; its progress bars go straight to the terminal."""
-    result = subprocess.run(args, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise PrepareError(f"{what} failed (exit {result.returncode}):\n{tail}")
+def run_child(args: list[str], what: str, quiet_after: float = 30.0) -> None:
+    """Run a heavy step in a child process. Its output, progress bars included, goes to stderr as
+    it comes; where it says nothing for ``quiet_after`` seconds (a model being traced), a line says
+    how long the step has run, so that every phase shows it is moving. A failure raises with the
+    output's last lines."""
+    start, tail = time.monotonic(), collections.deque[str](maxlen=15)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as child:
+        assert child.stdout is not None
+        out, line = child.stdout.fileno(), ""
+        while True:
+            if not select.select([out], [], [], quiet_after)[0]:
+                _log.info(f"{what}: {time.monotonic() - start:.0f} s so far")
+                continue
+            chunk = os.read(out, 1 << 16)
+            if not chunk:
+                break
+            shown = text.decode(chunk)
+            sys.stderr.write(shown)
+            sys.stderr.flush()
+            *done, line = (line + shown).replace("\r", "\n").split("\n")
+            tail.extend(d for d in done if d.strip())
+        returncode = child.wait()
+    if returncode != 0:
+        lines = "\n".join([*tail, line] if line.strip() else tail)
+        raise PrepareError(f"{what} failed (exit {returncode}):\n{lines}")
 
 
 def dequantize_gguf(gguf: Path, out_dir: Path) -> None:

@@ -71,6 +71,8 @@ def test_tokens_stream_metrics_move_and_the_mode_toggles(open_app, engine, tmp_p
     assert len([a for a in seen["answer"] if a]) >= 3, "the answer did not stream"
     assert len(seen["metrics"]) >= 3, "the metrics did not change while streaming"
     assert "%" in page.inner_text("#metrics")  # acceptance, shown in drafting modes only
+    box = page.locator("#mode").bounding_box()  # still in view with every card filled
+    assert box is not None and box["y"] + box["height"] <= 768
 
     page.locator("#mode").get_by_text("autoregressive", exact=True).click()
     send(page, "for i in range(10):", "autoregressive")
