@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import re
 import resource
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openvino as ov
 from tqdm import tqdm
 
 from benchmarks import llamacpp
@@ -111,15 +113,23 @@ def teacher_forced(model: Runtime, tokens: list[int]) -> np.ndarray:
     return log_softmax(model.forward(tokens[:-1], len(tokens) - 1))
 
 
-def agreement(reference: list[np.ndarray], model: Runtime, sequences: list[list[int]]) -> tuple[float, list[float]]:
-    """Top-1 agreement with the reference's log-probabilities, and every |Δ log-prob| of the
+def positions(log_probs: np.ndarray, tokens: list[int]) -> tuple[list[int], list[float]]:
+    """At each position of a teacher-forced pass: the top token, and the log-probability of the
+    token that comes next in ``tokens``."""
+    rows, nxt = np.arange(len(tokens) - 1), np.asarray(tokens[1:])
+    return log_probs.argmax(-1).tolist(), log_probs[rows, nxt].tolist()
+
+
+def agreement(
+    reference: list[tuple[list[int], list[float]]], model: Runtime, sequences: list[list[int]]
+) -> tuple[float, list[float]]:
+    """Top-1 agreement with the reference's :func:`positions`, and every |Δ log-prob| of the
     reference's next token."""
     agree, deltas = [], []
-    for ref, tokens in zip(reference, sequences, strict=True):
-        got = teacher_forced(model, tokens)
-        rows, nxt = np.arange(len(tokens) - 1), np.asarray(tokens[1:])
-        agree.append(ref.argmax(-1) == got.argmax(-1))
-        deltas.extend(np.abs(ref[rows, nxt] - got[rows, nxt]).tolist())
+    for (top, logp), tokens in zip(reference, sequences, strict=True):
+        got_top, got_logp = positions(teacher_forced(model, tokens), tokens)
+        agree.append(np.asarray(top) == np.asarray(got_top))
+        deltas.extend(np.abs(np.asarray(logp) - np.asarray(got_logp)).tolist())
     return float(np.concatenate(agree).mean()), deltas
 
 
@@ -280,29 +290,52 @@ def _against_the_file(
     """Fill in each target's agreement with the file's model and the perplexities."""
     tokenizer = auto_tokenizer(reference_ir)
     text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
-    reference = Runtime(reference_ir, config=EXACT_CONFIG)
-    sequences = {
-        name: [
-            continued(reference, chat_ids(tokenizer, p))
-            for _, p in tqdm(load_prompts(prompt_file(name)), desc=f"the file's answers, {name}", unit="prompt")
-        ]
-        for name in (PROMPT_SETS if "agreement" in args.measures else ())
-    }
-    ref_logp = {name: [teacher_forced(reference, s) for s in seqs] for name, seqs in sequences.items()}
+    ref = the_files_side(args, reference_ir, tokenizer, text_ids)
+    sequences = {name: ref["sequences"][name] for name in PROMPT_SETS if "agreement" in args.measures}
+    ref_positions = {name: ref["positions"][name] for name in sequences}
     if "perplexity" in args.measures:
-        rows[FILE_MODEL]["perplexity"] = perplexity(reference, text_ids)
-    del reference
+        rows[FILE_MODEL]["perplexity"] = ref["perplexity"]
     for weights, ir in irs.items():
         model, row = Runtime(ir, config=EXACT_CONFIG), rows[weights]
         deltas: list[float] = []
         for name in sequences:
-            row[f"top1_{name}"], d = agreement(ref_logp[name], model, sequences[name])
+            row[f"top1_{name}"], d = agreement(ref_positions[name], model, sequences[name])
             deltas += d
         if deltas:
             row["mean_abs_logprob_diff"] = float(np.mean(deltas))
         if "perplexity" in args.measures:
             row["perplexity"] = perplexity(model, text_ids)
         print(f"  {weights}: {json.dumps(row)}", file=sys.stderr, flush=True)
+
+
+def the_files_side(args: argparse.Namespace, reference_ir: Path, tokenizer: Any, text_ids: list[int]) -> dict:
+    """The file model's answers, its :func:`positions` along them and its perplexity, as far as
+    ``--measures`` needs them. They take longer than measuring a target against them and change
+    only with the model, OpenVINO and the inputs, so they are kept in the cache under those."""
+    inputs = [ov.get_version(), CONTINUATION, CHUNK, text_ids, *(prompt_file(n).read_text() for n in PROMPT_SETS)]
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12]
+    path = cache_dir_from_args(args) / "fidelity" / f"{reference_ir.name}-{key}.json"
+    kept: dict = json.loads(path.read_text()) if path.is_file() else {}
+    reference = None
+    if "agreement" in args.measures and "positions" not in kept:
+        reference = Runtime(reference_ir, config=EXACT_CONFIG)
+        kept["sequences"] = {
+            name: [
+                continued(reference, chat_ids(tokenizer, p))
+                for _, p in tqdm(load_prompts(prompt_file(name)), desc=f"the file's answers, {name}", unit="prompt")
+            ]
+            for name in PROMPT_SETS
+        }
+        kept["positions"] = {
+            name: [positions(teacher_forced(reference, s), s) for s in seqs] for name, seqs in kept["sequences"].items()
+        }
+    if "perplexity" in args.measures and "perplexity" not in kept:
+        reference = reference or Runtime(reference_ir, config=EXACT_CONFIG)
+        kept["perplexity"] = perplexity(reference, text_ids)
+    if reference is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept))
+    return kept
 
 
 def _functional(

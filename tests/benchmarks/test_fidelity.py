@@ -3,6 +3,8 @@ check's verdicts."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -56,3 +58,23 @@ def test_an_answer_with_the_whole_function_gets_the_prompts_imports():
 def test_problems_are_spread_over_the_set():
     chosen = problems(41)
     assert len(chosen) == 41 and chosen[1].task_id == "HumanEval/4"
+
+
+def test_the_files_side_is_computed_once_and_read_back(long_target, tmp_path, monkeypatch):
+    """The file model's answers, positions and perplexity are kept in the cache: a second run
+    reads them and builds no model; its agreement with itself is exact."""
+    import argparse
+
+    from benchmarks import fidelity
+    from engine.hf import auto_tokenizer
+
+    args = argparse.Namespace(measures=["agreement", "perplexity"], cache_dir=tmp_path)
+    tokenizer = auto_tokenizer(long_target)
+    text_ids = [5 + i % 300 for i in range(CHUNK + 40)]  # (within the tiny vocabulary)
+    first = fidelity.the_files_side(args, long_target, tokenizer, text_ids)
+    monkeypatch.setattr(fidelity, "Runtime", lambda *a, **k: pytest.fail("the file's side was computed again"))
+    again = fidelity.the_files_side(args, long_target, tokenizer, text_ids)
+    assert json.dumps(again) == json.dumps(first) and set(again) == {"sequences", "positions", "perplexity"}
+    model = Runtime(long_target, config=EXACT_CONFIG)
+    top1, deltas = fidelity.agreement(again["positions"]["coding"], model, again["sequences"]["coding"])
+    assert top1 == 1.0 and max(deltas) < 1e-4
