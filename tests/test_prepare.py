@@ -266,12 +266,12 @@ class FailedRun:
 @pytest.mark.parametrize(
     "flags, env, expected",
     [
-        ([], None, "int8"),
+        ([], None, "gguf"),
         ([], "int4", "int4"),
         (["--target-precision", "fp16"], "int4", "fp16"),
     ],
 )
-def test_the_target_is_int8_unless_asked_and_the_draft_int4(monkeypatch, flags, env, expected):
+def test_the_target_keeps_its_gguf_blocks_unless_asked_and_the_draft_is_int4(monkeypatch, flags, env, expected):
     import argparse
 
     if env is None:
