@@ -222,13 +222,17 @@ def rewrite(
         if blocks is None or not matches(blocks, node.get_data()):
             done[f"kept fp16 ({tensor.tensor_type.name})"] += 1
             continue
+        built: dict[str, ov.Output] = {}  # one subgraph per output type, whoever consumes it
         for target in list(node.output(0).get_target_inputs()):
             consumer = target.get_node()
             if consumer.get_type_name() == "Convert":  # the export's f16 -> f32 step
-                for inner in list(consumer.output(0).get_target_inputs()):
-                    inner.replace_source_output(subgraph(blocks, shape, consumer.get_output_element_type(0)))
+                out, inputs = consumer.get_output_element_type(0), list(consumer.output(0).get_target_inputs())
             else:
-                target.replace_source_output(subgraph(blocks, shape, ov.Type.f16))
+                out, inputs = ov.Type.f16, [target]
+            if out.get_type_name() not in built:
+                built[out.get_type_name()] = subgraph(blocks, shape, out)
+            for consumed in inputs:
+                consumed.replace_source_output(built[out.get_type_name()])
         done[tensor.tensor_type.name] += 1
     log("weights from the file's blocks: " + ", ".join(f"{n} {k}" for k, n in sorted(done.items())))
     return done
