@@ -104,7 +104,7 @@ def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
     request = Request(
         ({"role": "user", "content": "word " * words},), mode=mode, max_new_tokens=max_new_tokens, reuse_cache=False
     )
-    prompt_tokens = len(engine.check(request))
+    prompt_tokens = len(engine.check(request).ids)
     reset_peak_rss()
     before = resident_bytes()
     start, ttft, final = time.perf_counter(), None, None

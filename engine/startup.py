@@ -8,6 +8,7 @@ import logging
 import os
 
 from engine.core.budget import parse_size
+from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import Engine
 from engine.core.turns import NO_LIMITS
@@ -39,6 +40,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
         "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
     )
+    parser.add_argument(
+        "--prompt-reader",
+        choices=READERS,
+        default="auto",
+        help="how prompts are read: a stateless copy of the target in large passes, in f32 or bf16, "
+        "or off (the target's own passes); auto times it at start and uses it where it reads faster",
+    )
 
 
 def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine:
@@ -59,4 +67,5 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         memory_limit=getattr(args, "memory_limit", None),
         client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
         shared_pool=getattr(args, "shared_pool", False),
+        prompt_reader=getattr(args, "prompt_reader", "auto"),
     )

@@ -82,7 +82,7 @@ def engine(ir_target, ir_draft):
 
     # One session: the tests that inject faults or slowness patch engine.target, the one the
     # requests must then use (tests/test_sessions.py has its own engine with two).
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing())
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from engine.core import scheduler as scheduler_module
 from engine.core.decoding import Decoder
 from engine.core.pacing import Pacing
 from engine.core.requests import Event, Request, Stream
-from engine.core.runtime import EXACT_CONFIG
+from engine.core.runtime import EXACT_CONFIG, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine
 
@@ -28,7 +28,7 @@ ANSWER = 24
 
 @pytest.fixture(scope="module")
 def shared(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing())
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
 
 
 def ask(text: str, mode: str = "best", **fields) -> Request:
@@ -116,10 +116,13 @@ def test_a_follow_up_turn_after_a_batched_answer_prefills_only_its_suffix(shared
     assert all(largest == 3 for _, largest in finals)
     answers = [final.token_ids for final, _ in finals]
     first = shared.prompt_ids(requests[0])
-    follow = Request(prompt_ids=tuple(first + answers[0] + first[-8:]), mode="best", max_new_tokens=ANSWER)
+    answer = {"role": "assistant", "content": shared.text(answers[0])}
+    more = {"role": "user", "content": "And three more."}
+    follow = Request((*requests[0].messages, answer, more), mode="best", max_new_tokens=ANSWER)
+    reused = common_prefix(shared.prompt_ids(follow), first + answers[0])  # (the answer's text, re-tokenized)
     final = shared.run(follow)
     assert final.kind == "done", final.error
-    assert final.metrics["cached_tokens"] >= len(first) + len(answers[0]) - 1
+    assert reused > len(first) and final.metrics["cached_tokens"] >= reused - 1
     assert final.token_ids == alone(shared, follow)
 
 

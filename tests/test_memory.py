@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.core.budget import HEADROOM, MemoryBudget
 from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
+from engine.core.reader import READ_PASS
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
@@ -17,28 +19,42 @@ from engine.core.service import Engine
 
 @pytest.fixture(scope="module")
 def long_engine(long_target):
-    return Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1)
+    return Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32")
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(int(t) for t in np.random.default_rng(seed).integers(10, vocab, n))
 
 
-def test_a_long_prompt_is_read_in_chunks_never_in_one_pass(long_engine):
+@pytest.mark.parametrize("reader", ["off", "f32"])
+def test_a_long_prompt_is_read_in_chunks_never_in_one_pass(long_target, reader):
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader=reader)
     widths: list[int] = []
-    forward = long_engine.target.forward
+    forward = engine.target.forward
 
     def spy(new_tokens, rows=1):
         widths.append(len(new_tokens))
         return forward(new_tokens, rows)
 
-    long_engine.target.forward = spy
-    try:
-        event = long_engine.run(Request(prompt_ids=_prompt(3000, 300), mode="autoregressive", max_new_tokens=2))
-    finally:
-        del long_engine.target.forward
+    engine.target.forward = spy
+    if engine.reader is not None:
+        read = engine.reader.read
+        engine.reader.read = lambda runtime, tokens, origin: (  # type: ignore[method-assign]
+            widths.append(len(tokens) - len(runtime.tokens)) or read(runtime, tokens, origin)
+        )
+    event = engine.run(Request(prompt_ids=_prompt(3000, 300), mode="autoregressive", max_new_tokens=2))
     assert event.kind == "done", event.error
-    assert sum(widths) >= 3000 and max(widths) <= PREFILL_CHUNK
+    assert sum(widths) >= 3000 and max(widths) <= max(PREFILL_CHUNK, READ_PASS)
+
+
+def test_budget_keeps_room_for_a_read():
+    """A prompt reader's pass holds a copy of the cache it reads into: the longest conversation's
+    copy is kept aside, and the input cap follows."""
+    plain = MemoryBudget(limit=HEADROOM + 10_000, base=0, per_token=3)
+    reading = MemoryBudget(limit=HEADROOM + 10_000, base=0, per_token=3, reading_per_token=2)
+    assert (plain.tokens, plain.room) == (3_333, 10_000)
+    assert reading.tokens == 2_000 and reading.room == 10_000 - 2_000 * 2
+    assert reading.room // reading.per_token >= reading.tokens
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is read from Linux's /proc")
@@ -66,10 +82,15 @@ def small_budget_engine(long_target, monkeypatch):
 
     base = 2**30
     monkeypatch.setattr(service, "resident_bytes", lambda: base)
-    probe = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1)
+    probe = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32")
     per_token = int(probe.target.kv_bytes_per_token * RESIDENT_PER_CACHED_BYTE)
     return Engine(
-        long_target, None, config=EXACT_CONFIG, max_sessions=2, memory_limit=base + HEADROOM + ROOM_TOKENS * per_token
+        long_target,
+        None,
+        config=EXACT_CONFIG,
+        max_sessions=2,
+        memory_limit=base + HEADROOM + ROOM_TOKENS * per_token,
+        prompt_reader="off",  # (with a reader, room is kept aside for its copy: test_budget_keeps_room_for_a_read)
     )
 
 

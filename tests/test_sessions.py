@@ -20,7 +20,7 @@ ANSWER = 16
 
 @pytest.fixture(scope="module")
 def two_sessions(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=2, pacing=Pacing())
+    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=2, pacing=Pacing(), prompt_reader="off")
 
 
 def turn(engine: Engine, prompt: list[int], reuse: bool = True) -> tuple[list[int], dict]:
@@ -68,7 +68,7 @@ def test_a_conversation_opened_again_continues_in_its_own_session_not_the_longer
     """Two users with the same opening (an example prompt, a benchmark's conversation): the
     second one's follow-up shares more with the first one's long conversation than with its own
     session, but only its own session holds what it goes on from."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3, pacing=Pacing())
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3, pacing=Pacing(), prompt_reader="off")
     first = conversation(engine, "Hash maps?")
     answer, _ = turn(engine, first)
     second = first + answer + conversation(engine, "Resize it.")

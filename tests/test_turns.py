@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from engine.api.openai import build_router
 from engine.core import scheduler as scheduler_module
 from engine.core.pacing import Pacing
+from engine.core.reader import READ_PASS
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
@@ -83,7 +84,13 @@ def test_side_work_gets_one_client_s_share_of_the_time_and_never_a_burst():
 def shared_engine(ir_target, ir_draft):
     """One request at a time (one session); a client may hold two requests waiting or running."""
     return Engine(
-        ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), client_limits=ClientLimits(1, 2)
+        ir_target,
+        ir_draft,
+        config=EXACT_CONFIG,
+        max_sessions=1,
+        pacing=Pacing(),
+        client_limits=ClientLimits(1, 2),
+        prompt_reader="f32",
     )
 
 
@@ -179,7 +186,9 @@ def test_a_request_cancelled_while_it_waits_ends_at_once_and_frees_its_clients_p
 def test_a_clients_second_request_at_once_takes_only_a_spare_place(ir_target, ir_draft):
     """With per-client limits, places are kept for clients with nothing running: a client's second
     request starts only while more than two of four are free, never beside three other clients."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, client_limits=ClientLimits(2, 4))
+    engine = Engine(
+        ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, client_limits=ClientLimits(2, 4), prompt_reader="f32"
+    )
     with held(engine):
         streams = [engine.generate(ask(client, n)) for n, client in enumerate(["a", "a", "b", "c"])]
     peaks = [next(e for e in s if e.final).metrics["peak_sharing"] for s in streams]
@@ -211,7 +220,15 @@ def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir
     """On a shared link a visitor without a login (a page session, an API caller without a key)
     may send shorter conversations and gets shorter answers; a logged-in user or a key does not."""
     limits = ClientLimits(stranger_input_tokens=24, stranger_answer_tokens=5)
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), client_limits=limits)
+    engine = Engine(
+        ir_target,
+        ir_draft,
+        config=EXACT_CONFIG,
+        max_sessions=1,
+        pacing=Pacing(),
+        client_limits=limits,
+        prompt_reader="f32",
+    )
     long = Request(({"role": "user", "content": "def add(a, b): return a + b " * 4},), max_new_tokens=12)
     refused = engine.run(replace(long, client="page:abc"))
     assert refused.kind == "error" and "at most 24 tokens" in refused.error and "not logged in" in refused.error
@@ -227,12 +244,14 @@ def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir
     )
 
 
-def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target, monkeypatch):
-    """While one user's answer streams, another's 3,000-token paste is read in narrow passes,
-    at most one between two of the answer's tokens (the reader's share of the time): the answer
-    ends long before the reading does, and both equal their solo runs."""
+@pytest.mark.parametrize("reader", ["off", "f32"])
+def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target, monkeypatch, reader):
+    """While one user's answer streams, another's 3,000-token paste is read in narrow passes (the
+    prompt reader's: its plan's), at most one between two of the answer's tokens (the paste's
+    share of the time): the answer ends long before the reading does, and both equal their solo
+    runs."""
     monkeypatch.setattr(scheduler_module, "SLICE_S", 1e-4)  # the narrowest slices, and no credit saved
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2)
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader=reader)
     rng = np.random.default_rng(3)
     chat = Request(
         prompt_ids=tuple(rng.integers(10, 300, 40).tolist()), mode="autoregressive", max_new_tokens=48, client="chat"
@@ -258,8 +277,9 @@ def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target
     while_chatting = [e for e in seen[:chat_done] if e[0] == "paste"]
     assert while_chatting and all(kind == "progress" for _, kind, _ in while_chatting)
     read = [r for _, _, r in while_chatting]
-    assert {b - a for a, b in itertools.pairwise(read)} == {scheduler_module.SLICE_ROUND}
-    assert read[-1] < len(paste.prompt_ids) // 2  # the rest once the answer has ended
+    width = scheduler_module.SLICE_ROUND if reader == "off" else READ_PASS
+    assert {b - a for a, b in itertools.pairwise(read)} == {width}
+    assert read[-1] < len(paste.prompt_ids) - width  # the rest once the answer has ended
     runs = "".join("c" if client == "chat" else "p" for client, _, _ in seen[:chat_done])
     assert "pp" not in runs.lstrip("p")  # after the answer's first token, never two slices in a row
 
@@ -268,7 +288,7 @@ def test_a_question_arriving_while_others_generate_starts_before_the_next_slice_
     """A question that arrives during another user's step gets its first token at the worker's next
     iteration, not after one more slice of a paste read on the side (whose share is kept)."""
     monkeypatch.setattr(TimeShare, "allows", lambda self: True)  # a slice after every step, unless something arrived
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=3)
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=3, prompt_reader="f32")
     rng = np.random.default_rng(5)
     chat, paste, late = (
         replace(
@@ -305,7 +325,7 @@ def test_a_paste_being_read_holds_no_place_that_another_users_question_waits_for
     """With one place to serve in, a 3,000-token paste being read (side work, in its share of the
     time) does not keep another client's short question in line: the question is answered while
     the paste is still read, and both answers equal their solo runs."""
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2)
+    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32")
     engine.scheduler.max_batch = 1
     rng = np.random.default_rng(4)
     paste = Request(

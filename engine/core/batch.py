@@ -35,6 +35,7 @@ class Row:
     key: Hashable  # whose row (the scheduler's request)
     home: Runtime  # the row's own cache: where its entries come from and go back to
     tokens: list[int]  # what the row's slots hold, in order
+    origins: list  # what wrote the entries the row came with (Runtime.origins); the batch writes the rest
 
 
 class Batch:
@@ -77,7 +78,7 @@ class Batch:
             parts = [_fit(self._in_order(state.state.data), width)] if self.rows else []
             parts += [_fit(_entries(states, state.name, home), width) for states, home in zip(joining, homes)]
             state.state = state_tensor(np.concatenate(parts))
-        self.rows += [Row(key, home, list(home.tokens)) for key, home in members]
+        self.rows += [Row(key, home, list(home.tokens), list(home.origins)) for key, home in members]
         self.slots = width
         self._physical = list(range(len(self.rows)))
         for home in homes:  # the batch holds the entries now: the conversation's own copy is freed
@@ -96,7 +97,7 @@ class Batch:
             for state in self.request.query_state():  # one state at a time
                 kept = state.state.data[physical : physical + 1, :, start:]
                 home[state.name].state = state_tensor(kept)
-            row.home.hold_loaded(row.tokens)
+            row.home.hold_loaded(row.tokens, row.origins)
         if not self.rows:
             self.slots = 0
             release_states(self.request, self.empty_state)

@@ -8,7 +8,9 @@ models leave of it, less :data:`HEADROOM`, is the room for caches. A request is 
 the caches it may need fit in that room beside the others': idle conversations' caches are dropped
 first (least recently used), then it waits for a running request to end, and one that could not
 fit even alone is refused at once, its message naming the limit. A batch's rows are padded to the
-longest, so a row joins only while the padded batch fits (docs/design.md, "Memory").
+longest, so a row joins only while the padded batch fits (docs/design.md, "Memory"). A prompt
+reader's pass holds a copy of the cache it reads into (its output) until it is written back: room
+for the longest conversation's copy is kept aside.
 """
 
 from __future__ import annotations
@@ -68,30 +70,36 @@ class MemoryBudget:
     limit: int
     base: int
     per_token: int
+    reading_per_token: int = 0  # what a prompt reader's pass holds per token of the cache it reads into
 
     @classmethod
-    def of_machine(cls, limit: int | None, base: int, per_token: int) -> MemoryBudget:
+    def of_machine(cls, limit: int | None, base: int, per_token: int, reading_per_token: int = 0) -> MemoryBudget:
         """The budget for ``limit`` bytes (None: :data:`DEFAULT_SHARE` of the machine's memory)."""
         if limit is None:
             limit = int(machine_memory() * DEFAULT_SHARE) or base + 4 * 2**30
-        return cls(limit, base, int(per_token * RESIDENT_PER_CACHED_BYTE))
+        return cls(limit, base, int(per_token * RESIDENT_PER_CACHED_BYTE), reading_per_token)
 
     def bytes_held(self, cache_bytes: int) -> int:
         """What caches of ``cache_bytes`` entries hold of the process's memory."""
         return int(cache_bytes * RESIDENT_PER_CACHED_BYTE)
 
     @property
-    def room(self) -> int:
-        """Bytes for KV caches (every conversation's and the batch's)."""
+    def _free(self) -> int:
         return max(0, self.limit - self.base - HEADROOM)
+
+    @property
+    def room(self) -> int:
+        """Bytes for KV caches (every conversation's and the batch's), beside a prompt read into the
+        longest conversation."""
+        return max(0, self._free - self.tokens * self.reading_per_token)
 
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.per_token
 
     @property
     def tokens(self) -> int:
-        """The most tokens of caches the room holds."""
-        return self.room // max(1, self.per_token)
+        """The most tokens of caches the room holds (one conversation's, read into)."""
+        return self._free // max(1, self.per_token + self.reading_per_token)
 
     def check(self, tokens: int, what: str) -> None:
         """Refuse a request whose caches may grow to ``tokens`` where the room cannot hold them
@@ -104,7 +112,9 @@ class MemoryBudget:
             )
 
     def describe(self) -> str:
+        reading = f", {gigabytes(self._free - self.room)} for reading prompts" if self.reading_per_token else ""
         return (
             f"memory budget {gigabytes(self.limit)}: models and runtime {gigabytes(self.base)}, "
             f"{gigabytes(self.room)} for KV caches ({self.tokens:,} tokens at {self.per_token / 1e3:.0f} KB each)"
+            f"{reading}"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from engine.core.runtime import common_prefix
 from engine.errors import EngineError
@@ -44,17 +44,40 @@ def check_messages(messages: Sequence[Message]) -> None:
             ) from None
 
 
-def prompt_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+class Prompt(NamedTuple):
+    """A conversation's prompt ids, and where its answers are: each assistant message's content
+    with the token before it (the token whose logits gave the answer's first), as ``(start, stop)``."""
+
+    ids: list[int]
+    spoken: tuple[tuple[int, int], ...] = ()
+
+    def continued(self, answer_ids: Sequence[int]) -> Prompt:
+        """The prompt with an answer cut short appended: the answer goes on from its last token."""
+        if not answer_ids:
+            return self
+        return Prompt([*self.ids, *answer_ids], (*self.spoken, (len(self.ids) - 1, len(self.ids) + len(answer_ids))))
+
+
+def prompt(tokenizer: Any, messages: Sequence[Message]) -> Prompt:
     """The conversation through ``tokenizer``'s chat template, ready for the assistant's answer."""
     placeheld = [{"role": m["role"], "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
     rendered = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
+    spoken: list[tuple[int, int]] = []
     for i, part in enumerate(_PLACEHOLDERS.split(rendered)):
         if i % 2:  # a message's content: plain text, whatever it looks like
-            ids += tokenizer.encode(messages[int(part)]["content"], add_special_tokens=False, split_special_tokens=True)
+            message, start = messages[int(part)], len(ids)
+            ids += tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+            if message["role"] == "assistant" and start > 0:
+                spoken.append((start - 1, len(ids)))
         elif part:  # the template's own text and control tokens
             ids += tokenizer.encode(part, add_special_tokens=False)
-    return ids
+    return Prompt(ids, tuple(spoken))
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """The conversation's prompt ids (:func:`prompt`)."""
+    return prompt(tokenizer, messages).ids
 
 
 def opening_ids(tokenizer: Any) -> list[int]:

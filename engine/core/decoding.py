@@ -20,13 +20,15 @@ import numpy as np
 from engine.core.drafters import CopyDrafter, Draft, Drafter
 from engine.core.metrics import Stats
 from engine.core.pacing import Choice, Pacer, Pacing, RoundKind, TextKind
+from engine.core.reader import Reader, ReadPath, read_pass, read_plan, resume_at, steps_only
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
 from engine.errors import ContextLimitError
 
-# Prompt tokens per prefill pass: a Stop during a long prompt waits for one chunk at most. Every
-# mode prefills this way; with a past, a pass's width does not change its rows' rounding.
+# Prompt tokens per prefill pass of the target's own (the reader's are its plan's): a Stop during a
+# long prompt waits for one chunk at most. Every mode prefills this way; with a past, a pass's
+# width does not change its rows' rounding.
 PREFILL_CHUNK = 256
 
 
@@ -53,6 +55,12 @@ class DecodeConfig:
     # A paced request's n-gram pool (engine.core.pool): drafts from earlier answers where the
     # drafter's own copies (the conversation's context) find none.
     pool: CopyDrafter | None = None
+    # The prompt reader (engine.core.reader), if one reads faster here than the target's own
+    # passes; ``spoken``: the prompt's spans the decoding path reads (answers, each with the token
+    # before it); ``breaks``: where the reader's runs restart (the end of the template's opening).
+    reader: Reader | None = None
+    spoken: tuple[tuple[int, int], ...] = ()
+    breaks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -98,8 +106,13 @@ class Decoder:
         self.done = False
         self.prefill_chunk = PREFILL_CHUNK  # the next prefill pass's width (a scheduler may narrow it)
         self._caught_up = False  # the draft has read the conversation (before its first speculative round)
+        # How the prompt is read, all but its last token (the first round's): a function of the
+        # conversation alone, and what of the cache that reading keeps.
+        length = len(self.context) - 1
+        self.plan = read_plan(length, config.spoken, config.breaks) if config.reader else steps_only(length)
+        self._kept = resume_at(self.plan, self.context, target)
         stats.prompt_tokens = len(prompt)
-        stats.cached_tokens = min(common_prefix(target.tokens, self.context), len(self.context) - 1)
+        stats.cached_tokens = min(self._kept, length)
         stats.prompt_read = stats.cached_tokens
 
     @property
@@ -113,21 +126,27 @@ class Decoder:
         return None if self._pacers is None else self._pacers[self.text]
 
     def prefill(self) -> Iterator[int]:
-        """The prompt's passes but the last (which gives the first token's logits), in chunks;
-        yields the prompt tokens read after each, so a caller can show progress and stop between
-        them."""
-        passes = self.target.feed(self.context, lambda: self.prefill_chunk)
-        while True:
-            start, before = time.perf_counter(), self.target.passes
-            read = next(passes, None)
-            self.stats.target_seconds += time.perf_counter() - start
-            self.stats.prefill_seconds += time.perf_counter() - start
-            self.stats.target_passes += self.target.passes - before
-            if read is None:
-                return
-            self.stats.prefill_read += read - self.stats.prompt_read
-            self.stats.prompt_read = read
-            yield read
+        """The prompt's passes by its :attr:`plan` (the reader's, and the target's own in chunks of
+        :attr:`prefill_chunk`) but the last token, the first round's; where only the target's own
+        passes are left and one chunk or less, the first round reads them with it. Yields the
+        prompt tokens read after each pass, so a caller can show progress and stop between them."""
+        target = self.target
+        target.trim(self._kept)
+        for i, part in enumerate(self.plan):
+            while (held := len(target.tokens)) < part.stop:
+                rest = self.plan[i:]
+                if len(self.context) - held <= self.prefill_chunk and all(p.path is ReadPath.STEPS for p in rest):
+                    return
+                start, before = time.perf_counter(), target.passes
+                read_pass(target, self.config.reader, self.context, part, self.prefill_chunk)
+                seconds = time.perf_counter() - start
+                self.stats.target_seconds += seconds
+                self.stats.prefill_seconds += seconds
+                self.stats.target_passes += max(1, target.passes - before)  # (the reader's: one)
+                read = len(target.tokens)
+                self.stats.prefill_read += read - self.stats.prompt_read
+                self.stats.prompt_read = read
+                yield read
 
     @property
     def unread(self) -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
@@ -18,6 +19,10 @@ import openvino as ov
 from engine import manifest
 from engine.core import graph
 from engine.errors import ContextLimitError, PrepareError
+
+if TYPE_CHECKING:
+    from engine.core.reader import ReadPass
+
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
@@ -128,7 +133,8 @@ class Runtime:
         graph.slice_logits(model)
         if vocab_limit and vocab_limit < graph.vocabulary_rows(model):
             graph.shrink_vocabulary(model, vocab_limit)
-        self.compiled = core.compile_model(model, device, config or {})
+        self.config = dict(config or {})
+        self.compiled = core.compile_model(model, device, self.config)
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
@@ -140,6 +146,9 @@ class Runtime:
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
         self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
+        # What wrote each of them: a prompt reader's pass (engine.core.reader), None for this
+        # request's own passes. A reader's entries round with where its pass started and ended.
+        self.origins: list[ReadPass | None] = []
         self.masked_rollback = masked_rollback
         self.pass_width = pass_width
         self.first_token_alone = first_token_alone
@@ -181,12 +190,12 @@ class Runtime:
         """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the
         next request; this frees them: a conversation whose entries were copied elsewhere)."""
         release_states(self.request, self.empty_state)
-        self.tokens = []
+        self.tokens, self.origins = [], []
         self._mask = np.ones(0, dtype=np.int64)
 
     def reset(self) -> None:
         self.request.reset_state()
-        self.tokens = []
+        self.tokens, self.origins = [], []
         self._mask = np.ones(0, dtype=np.int64)
 
     def trim(self, keep: int) -> None:
@@ -205,6 +214,7 @@ class Runtime:
         else:
             self._gather(slots[:keep])
         del self.tokens[keep:]
+        del self.origins[keep:]
 
     def _gather(self, slots: np.ndarray) -> None:
         """Keep only the cache entries at ``slots``: a copy of every state out and back in. A
@@ -240,18 +250,22 @@ class Runtime:
         """A copy of every state (the cache's entries), by name: what :meth:`load` takes back."""
         return {state.name: state.state.data.copy() for state in self.request.query_state()}
 
-    def load(self, tokens: Sequence[int], entries: dict[str, np.ndarray]) -> None:
+    def load(
+        self, tokens: Sequence[int], entries: dict[str, np.ndarray], origins: Sequence[ReadPass | None] = ()
+    ) -> None:
         """Make the cache hold ``tokens`` from ``entries`` (:meth:`entries` of a cache that held
         them first, or a longer run of tokens starting with them): nothing is computed. A
         token's entries depend only on the tokens before it, so a cache holding an opening many
-        conversations share can seed every new one."""
+        conversations share can seed every new one. ``origins``: what wrote them (:attr:`origins`)."""
         for state in self.request.query_state():
             state.state = state_tensor(entries[state.name][:, :, : len(tokens)])
-        self.hold_loaded(tokens)
+        self.hold_loaded(tokens, origins)
 
-    def hold_loaded(self, tokens: Sequence[int]) -> None:
-        """The states were just set from outside (a batch row copied back): they hold ``tokens``."""
+    def hold_loaded(self, tokens: Sequence[int], origins: Sequence[ReadPass | None] = ()) -> None:
+        """The states were just set from outside (a batch row copied back, a prompt reader's pass):
+        they hold ``tokens``, the first of them written by ``origins``, the rest by this request."""
         self.tokens = list(tokens)
+        self.origins = [*origins[: len(tokens)], *[None] * (len(tokens) - len(origins))]
         self._mask = np.ones(len(self.tokens), dtype=np.int64)
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
@@ -274,20 +288,19 @@ class Runtime:
             }
         )
         self.tokens.extend(new_tokens)
+        self.origins.extend([None] * m)
         self.passes += 1
         return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
 
-    def feed(self, tokens: Sequence[int], chunk: int | Callable[[], int]) -> Iterator[int]:
+    def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[int]:
         """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
         ``chunk`` tokens (after trimming it to the prefix it shares with them); yield how many
         tokens it holds after each pass, so a caller can report progress and stop between them.
         A pass's memory grows with its width times the context (the attention scores), so no
-        pass is wider than ``chunk``: a number, or asked before each pass (a scheduler sizes a
-        pass to the time it can give it)."""
-        width: Callable[[], int] = chunk if callable(chunk) else (lambda: chunk)
+        pass is wider than ``chunk``."""
         self.trim(common_prefix(self.tokens, tokens))
-        while len(tokens) - len(self.tokens) > (size := width()):
-            self.forward(tokens[len(self.tokens) : len(self.tokens) + size])
+        while len(tokens) - len(self.tokens) > chunk:
+            self.forward(tokens[len(self.tokens) : len(self.tokens) + chunk])
             yield len(self.tokens)
 
     def sync(self, tokens: Sequence[int], rows: int = 1) -> np.ndarray:

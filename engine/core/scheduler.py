@@ -21,11 +21,13 @@ from typing import Any, TypeVar
 from engine.core import decoding
 from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget
+from engine.core.chat import Prompt
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.metrics import Baseline, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import Pacing
 from engine.core.pool import Pools
+from engine.core.reader import Reader
 from engine.core.requests import Event, EventKind, Request, Stream
 from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
@@ -68,6 +70,7 @@ class _Job:
     stops: StopStrings | None = None
     out: list[int] = field(default_factory=list)
     side_s: float = 0.0  # seconds of the worker it had to itself while others generated
+    spoken: tuple[tuple[int, int], ...] = ()  # the prompt's answers (chat.Prompt.spoken)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
@@ -104,11 +107,12 @@ class Scheduler:
         stop_ids: frozenset[int],
         fence_ids: frozenset[int],
         pools: Pools,
+        reader: Reader | None = None,
     ) -> None:
         """``clients``: the ledger the engine admits requests by (a finished one is returned to
-        it here); ``pacing``, ``stop_ids`` and ``fence_ids`` go to every request's decoder;
-        ``pools``: the clients' n-gram pools, which paced requests draft from and every finished
-        one adds its conversation to."""
+        it here); ``pacing``, ``stop_ids``, ``fence_ids`` and ``reader`` (the prompt reader, if
+        one is used) go to every request's decoder; ``pools``: the clients' n-gram pools, which
+        paced requests draft from and every finished one adds its conversation to."""
         self.target = target
         self.sessions = sessions
         self.budget = budget
@@ -117,6 +121,7 @@ class Scheduler:
         self.stop_ids = stop_ids
         self.fence_ids = fence_ids
         self.pools = pools
+        self.reader = reader
         self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
@@ -132,10 +137,10 @@ class Scheduler:
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
-    def submit(self, request: Request, prompt: list[int], stream: Stream, release: Callable[[], None]) -> None:
-        """Queue a checked request (``prompt``: its ids); its events go to ``stream``, and
-        ``release`` uncounts it for its client when it ends."""
-        self._jobs.put(_Job(request, prompt, stream, Stats(request.mode), release))
+    def submit(self, request: Request, prompt: Prompt, stream: Stream, release: Callable[[], None]) -> None:
+        """Queue a checked request; its events go to ``stream``, and ``release`` uncounts it for
+        its client when it ends."""
+        self._jobs.put(_Job(request, prompt.ids, stream, Stats(request.mode), release, spoken=prompt.spoken))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread, after the queued work, and return its result."""
@@ -252,7 +257,7 @@ class Scheduler:
             if not job.request.reuse_cache:
                 job.session.reset()
                 job.stats.start = time.perf_counter()
-            config = self._decode_config(job.request, job.stream)
+            config = self._decode_config(job)
             drafter = job.session.drafters.get(job.request.mode)
             job.decoder = Decoder(job.session.target, drafter, job.prompt, config, job.stats)
             job.prefill = job.decoder.prefill()
@@ -324,9 +329,8 @@ class Scheduler:
         served first, so one stranger's paste slows everyone else by a client's share, not by its
         whole reading. A request that arrives meanwhile ends the iteration's side work: it starts
         at the next one, its first token not behind a slice (the paste keeps its credit)."""
-        self._read_short_prompts()
         generating = [j for j in self._serving if j.prefill is None]
-        first = any(j.stats.rounds == 0 for j in generating)
+        first = any(self._first_due(j) for j in self._serving)
         going = [j for j in generating if j.stats.rounds > 0]
         # (while others start beside it, a lone row of the batch stays in it: alone, it would
         # leave and its draft re-read the conversation, only to join again next iteration)
@@ -361,10 +365,17 @@ class Scheduler:
             if served:  # (alone, it owes no one)
                 self._share.spend(took)
 
-    def _read_short_prompts(self) -> None:
-        """Take up the prompts with no chunk of their own to read (their first round reads the rest)."""
-        for job in [j for j in self._serving if j.prefill is not None and j.unread <= decoding.PREFILL_CHUNK]:
-            self._guard([job], functools.partial(self._read_prompt, job))
+    @staticmethod
+    def _first_due(job: _Job) -> bool:
+        """Whether ``job``'s first round is due: what is left of its prompt takes a chunk or less."""
+        return job.stats.rounds == 0 and (job.prefill is None or job.unread <= decoding.PREFILL_CHUNK)
+
+    def _first_round(self, job: _Job) -> None:
+        """The rest of ``job``'s prompt (a chunk or less), then its first round."""
+        while job.prefill is not None and job in self._serving:
+            self._read_prompt(job)
+        if job in self._serving:
+            self._alone(job)
 
     def _first_rounds(self) -> set[str]:
         """The first rounds due, one at a time, each on its request's own cache; the clients
@@ -375,15 +386,14 @@ class Scheduler:
         in all). At most :attr:`max_batch` of them: a stream of arrivals does not hold the step back."""
         served: set[str] = set()
         for _ in range(self.max_batch):
-            due = [j for j in self._serving if j.prefill is None and j.stats.rounds == 0]
+            due = [j for j in self._serving if self._first_due(j)]
             if not due:
                 break
             answering = collections.Counter(j.client for j in self._serving if j.stats.rounds > 0)
             job = min(due, key=lambda j: (answering[j.client], j.unread))
-            self._guard([job], functools.partial(self._alone, job))
+            self._guard([job], functools.partial(self._first_round, job))
             served.add(job.client)
             self._admit(within=True)
-            self._read_short_prompts()
         return served
 
     def _read_prompt(self, job: _Job, sliced: bool = False) -> None:
@@ -513,7 +523,10 @@ class Scheduler:
         self._mark_progress()
         job.stream.put(event)
 
-    def _decode_config(self, request: Request, stream: Stream) -> DecodeConfig:
+    def _decode_config(self, job: _Job) -> DecodeConfig:
+        request, stream = job.request, job.stream
+        opening = self.sessions.opening.tokens if self.sessions.opening is not None else ()
+        opens = bool(opening) and tuple(job.prompt[: len(opening)]) == opening
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
         mode = MODES[request.mode]
         return DecodeConfig(
@@ -527,6 +540,9 @@ class Scheduler:
             pacing=self.pacing if mode.paced else None,
             fence_ids=self.fence_ids,
             pool=self.pools.of(request.client) if mode.paced and request.pooled else None,
+            reader=self.reader,
+            spoken=job.spoken,
+            breaks=(len(opening),) if opens else (),
         )
 
     def _mark_progress(self) -> None:

@@ -29,6 +29,7 @@ from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import Pacing, PassCosts
 from engine.core.pool import Pools
+from engine.core.reader import READERS, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.scheduler import Scheduler
@@ -69,6 +70,7 @@ class Engine:
         pacing: Pacing | None = None,
         client_limits: ClientLimits = NO_LIMITS,
         shared_pool: bool = False,
+        prompt_reader: str = "auto",
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -81,8 +83,10 @@ class Engine:
         :mod:`engine.core.budget`); the input cap follows from it too. ``pacing``: the paced mode's
         policy (default: priced by the passes timed here at start). ``client_limits``: what one
         client may hold (default: no limit; :mod:`engine.core.turns`). ``shared_pool``: one n-gram
-        pool for every client, instead of one each (:mod:`engine.core.pool`). The two models must share
-        one vocabulary (``engine.prepare`` checks it)."""
+        pool for every client, instead of one each (:mod:`engine.core.pool`). ``prompt_reader``: how
+        prompts are read (:data:`~engine.core.reader.READERS`: ``auto`` times the reader at start
+        and uses it where it reads faster, in the fastest precision; ``off``: the target's own
+        passes). The two models must share one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
@@ -105,6 +109,7 @@ class Engine:
         for runtime in (self.target, self.draft):
             if runtime is not None:
                 runtime.warm_up()
+        self.reader = self._reader(prompt_reader)
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
         if pacing is None and self.draft is not None:
@@ -115,7 +120,8 @@ class Engine:
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
         self.max_context = self.target.max_context
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
-        self.budget = MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token)
+        reading = self.target.kv_bytes_per_token if self.reader is not None else 0  # (its output: a copy)
+        self.budget = MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
         log.info(self.budget.describe())
         # The longest prompt accepted: a share of the context, and what the budget holds beside an answer.
         self.max_input_tokens = min(
@@ -124,7 +130,12 @@ class Engine:
         if self.budget.tokens <= 2 * MIN_ANSWER_ROOM:
             raise EngineError(f"the {self.budget.describe()} is too small to serve a conversation: raise the limit")
         self.sessions = SessionPool(
-            self.target, self.draft, self._drafters, max_sessions or MAX_SESSIONS, chat.opening_ids(self.tokenizer)
+            self.target,
+            self.draft,
+            self._drafters,
+            max_sessions or MAX_SESSIONS,
+            chat.opening_ids(self.tokenizer),
+            self.reader,
         )
         self.step_timeout = step_timeout
         self._clients = ClientLedger(client_limits)
@@ -139,7 +150,18 @@ class Engine:
             self.stop_ids,
             self.fence_ids,
             Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, shared_pool),
+            self.reader,
         )
+
+    def _reader(self, choice: str) -> Reader | None:
+        """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`)."""
+        if choice not in READERS:
+            raise EngineError(f"unknown prompt reader '{choice}': choose one of {', '.join(READERS)}")
+        if choice == "off":
+            return None
+        if choice == "auto":
+            return fastest_reader(self.target)
+        return Reader(self.target.ir_dir, self.target.config, choice)
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
         """Every mode's drafter over one session's draft cache."""
@@ -189,19 +211,23 @@ class Engine:
         return self.scheduler.full
 
     # -- generation -------------------------------------------------------------------------
-    def check(self, request: Request) -> list[int]:
-        """The request's prompt ids, or an :class:`EngineError` saying what is wrong with it."""
+    def check(self, request: Request) -> chat.Prompt:
+        """The request's prompt, or an :class:`EngineError` saying what is wrong with it."""
         request.check(self.modes, self.max_context)
-        prompt = self.prompt_ids(request)
-        self.budget.check(request.tokens_held(prompt, self.max_context), "this request")
+        prompt = self.prompt(request)
+        self.budget.check(request.tokens_held(prompt.ids, self.max_context), "this request")
         return prompt
 
     def prompt_ids(self, request: Request) -> list[int]:
+        """The request's prompt ids (:meth:`prompt`)."""
+        return self.prompt(request).ids
+
+    def prompt(self, request: Request) -> chat.Prompt:
         """The request's prompt, refused above ``max_input_tokens`` or its client's own cap
         (checked on characters first, so a multi-megabyte paste is never tokenized)."""
         cap = min(self.max_input_tokens, self._clients.limits.input_cap(request.client) or self.max_input_tokens)
         if request.prompt_ids:
-            ids = list(request.prompt_ids)
+            read = chat.Prompt(list(request.prompt_ids))
         else:
             if not request.messages or not str(request.messages[-1].get("content", "")).strip():
                 raise EngineError("the message is empty: type something first")
@@ -209,14 +235,14 @@ class Engine:
             if characters > cap * MAX_CHARS_PER_TOKEN:
                 raise self._too_long(f"{characters:,} characters", cap)
             with self._tokenizing:
-                ids = chat.prompt_ids(self.tokenizer, request.messages)
-        if len(ids) > cap:
-            raise self._too_long(f"{len(ids):,} tokens", cap)
+                read = chat.prompt(self.tokenizer, request.messages)
+        if len(read.ids) > cap:
+            raise self._too_long(f"{len(read.ids):,} tokens", cap)
         if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
             raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
-        if len(ids) + len(request.answer_ids) >= self.max_context:  # (an answer may grow past the input cap)
+        if len(read.ids) + len(request.answer_ids) >= self.max_context:  # (an answer may grow past the input cap)
             raise EngineError(f"the answer fills the model's context ({self.max_context:,} tokens): it cannot go on")
-        return ids + list(request.answer_ids)
+        return read.continued(request.answer_ids)
 
     def _too_long(self, length: str, cap: int) -> EngineError:
         if cap < self.max_input_tokens:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.drafters import Drafter
+from engine.core.reader import Reader, ReadPass, read_pass, read_plan
 from engine.core.runtime import Runtime, common_prefix
 
 # A prompt continues a session when it repeats at least this share of what the session caches
@@ -65,34 +66,43 @@ class Opening:
 
     tokens: tuple[int, ...]
     entries: tuple[dict[str, np.ndarray] | None, ...]  # per role: the target's, the draft's
+    origins: tuple[ReadPass | None, ...] = ()  # what wrote the target's (Runtime.origins)
 
     @classmethod
-    def read(cls, tokens: Sequence[int], runtimes: Sequence[Runtime | None]) -> Opening:
-        """Read ``tokens`` on each runtime (left empty after)."""
+    def read(cls, tokens: Sequence[int], runtimes: Sequence[Runtime | None], reader: Reader | None = None) -> Opening:
+        """Read ``tokens`` on each runtime (left empty after): the target's through ``reader`` where
+        one reads prompts, in the passes of its plan (every prompt's plan restarts after them)."""
         entries: list[dict[str, np.ndarray] | None] = []
-        for runtime in runtimes:
-            if runtime is not None:
-                runtime.reset()
-                runtime.forward(list(tokens))
-                entries.append(runtime.entries())
-                runtime.release()
-            else:
+        origins: list[ReadPass | None] = []
+        for role, runtime in enumerate(runtimes):
+            if runtime is None:
                 entries.append(None)
-        return cls(tuple(tokens), tuple(entries))
+                continue
+            runtime.reset()
+            if role == 0 and reader is not None:
+                for part in read_plan(len(tokens)):
+                    read_pass(runtime, reader, tokens, part, len(tokens))
+                origins = list(runtime.origins)
+            else:
+                runtime.forward(list(tokens))
+            entries.append(runtime.entries())
+            runtime.release()
+        return cls(tuple(tokens), tuple(entries), tuple(origins))
 
     def seed(self, session: Session, prompt: Sequence[int]) -> None:
         """Load into ``session``'s caches as much of the opening as ``prompt`` starts with, where
         a cache holds less of the prompt (its last token is left for the first round to read)."""
         n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
-        for runtime, entries in zip((session.target, session.draft), self.entries):
+        for runtime, entries, origins in zip((session.target, session.draft), self.entries, (self.origins, ())):
             if runtime is not None and entries is not None and common_prefix(runtime.tokens, prompt) < n:
-                runtime.load(prompt[:n], entries)
+                runtime.load(prompt[:n], entries, origins)
 
 
 class SessionPool:
     """At most ``capacity`` sessions, most recently used last. ``build(target, draft)`` makes the
     drafters of a session's runtimes; ``opening``: the tokens most conversations start with, read
-    here once and copied into each new one (:class:`Opening`)."""
+    here once (by ``reader``, the prompt reader, if one is used) and copied into each new one
+    (:class:`Opening`)."""
 
     def __init__(
         self,
@@ -101,13 +111,14 @@ class SessionPool:
         build: Callable[[Runtime | None], dict[str, Drafter]],
         capacity: int,
         opening: Sequence[int] = (),
+        reader: Reader | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"at least one session is needed, got {capacity}")
         self.capacity = capacity
         self._build = build
         self.sessions = [Session(target, draft, build(draft))]
-        self.opening = Opening.read(opening, (target, draft)) if opening else None
+        self.opening = Opening.read(opening, (target, draft), reader) if opening else None
 
     def take(self, prompt: list[int], busy: Collection[Session] = ()) -> Session:
         """The session for ``prompt``, moved to most recently used, its caches holding the opening

@@ -43,7 +43,13 @@ def test_the_flood_gets_refusals_and_its_share_and_takes_nothing_from_the_others
     users, on a server with a shared link's limits whose passes take 10 ms more: each flood client gets
     what a shared link promises, every normal answer is intact, the engine ends idle and healthy."""
     engine = Engine(
-        ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=8, pacing=Pacing(), client_limits=PUBLIC_LIMITS
+        ir_target,
+        ir_draft,
+        config=EXACT_CONFIG,
+        max_sessions=8,
+        pacing=Pacing(),
+        client_limits=PUBLIC_LIMITS,
+        prompt_reader="f32",
     )
     forward = Runtime.forward  # every pass 10 ms slower (each session's runtimes too): the streams overlap
     monkeypatch.setattr(Runtime, "forward", lambda self, *a, **kw: (time.sleep(0.01), forward(self, *a, **kw))[1])

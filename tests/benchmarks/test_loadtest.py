@@ -16,7 +16,9 @@ from tests.ui.served import serve
 
 @pytest.fixture(scope="module")
 def url(ir_target, ir_draft):
-    demo, url = serve(Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing()))
+    demo, url = serve(
+        Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
+    )
     yield url
     demo.close()
 

@@ -1,0 +1,213 @@
+"""The prompt reader: a second compiled model of the target that reads prompt text in large passes
+and hands the resulting cache to the decoding request.
+
+The decoding request is stateful: its KV cache lives in the plugin's states. For a pass of many
+rows over such a cache, the CPU plugin fuses the cache's concat into attention and then runs its
+one-token attention kernel row by row (``scaled_attn.cpp``: ``use_one_token = L1 == 1 ||
+(fuse_concat && L0 > 0)``), which slows a long prompt's reading more the further it gets. The
+reader is the same IR made stateless (every state an input and an output): its attention runs the
+multi-row kernel (MLAS sgemm in f32, oneDNN brgemm in bf16, AMX where the CPU has it). It reads
+from the decoding request's states and writes its output back into them; decoding, verifying and
+every answer token stay on the stateful f32 path.
+
+The reader's rows round differently from the stateful path's, and with where its passes start and
+end. So where each pass starts and ends, and which path reads which token, is a function of the
+conversation alone (:func:`read_plan`): an answer is the same whatever the cache held before
+(docs/design.md, "The prompt reader").
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+from openvino._offline_transformations import stateful_to_stateless_transformation
+
+from engine.core import graph
+from engine.core.runtime import Runtime, common_prefix
+
+# Tokens per reader pass: a pass's memory grows with its width times the context (its attention
+# scores), and a Stop or another user's step waits for one pass at most.
+READ_PASS = 256
+# How an engine reads prompts: timed at start, a reader in one precision, or none.
+READERS = ("auto", "f32", "bf16", "off")
+# A run of prompt text shorter than this is read by the decoding path (the prompt's unread rest
+# in the first round, as without a reader): a pass's cost is mostly its width there.
+SHORTEST_RUN = 64
+# Where the reader's speed is timed at start: one pass of this many tokens after this many.
+PROBE_WIDTH, PROBE_CONTEXT = 64, 2048
+log = logging.getLogger("specchat.reader")
+
+
+class ReadPath(StrEnum):
+    """Which model reads a run of prompt tokens into the target's cache."""
+
+    READER = "reader"  # the prompt reader, in passes of the plan
+    STEPS = "steps"  # the decoding request's own passes, as answers are decoded
+
+
+@dataclass(frozen=True)
+class ReadPass:
+    start: int
+    stop: int
+    path: ReadPath
+
+
+def read_plan(
+    length: int,
+    spoken: Sequence[tuple[int, int]] = (),
+    breaks: Sequence[int] = (),
+    width: int = READ_PASS,
+    shortest: int = SHORTEST_RUN,
+) -> tuple[ReadPass, ...]:
+    """How the first ``length`` tokens of a prompt are read (the last prompt token is the first
+    round's). ``spoken``: spans the decoding path reads, as it did when it decoded them (an
+    assistant's answer and the token before it: its entries in a kept cache are the decoder's).
+    Everything else comes in runs, between those spans and cut at each of ``breaks`` (the chat
+    template's opening, whose entries are copied in): a run of ``shortest`` tokens or more is the
+    reader's, in passes of ``width`` from its start; a shorter one is the decoding path's too."""
+    passes: list[ReadPass] = []
+    cuts = sorted({0, length, *(b for b in breaks if 0 < b < length)})
+    steps = sorted((max(0, a), min(b, length)) for a, b in spoken if a < min(b, length))
+    at = 0
+    for a, b in [*steps, (length, length)]:
+        for lo, hi in itertools.pairwise(cuts):
+            lo, hi = max(lo, at), min(hi, a)
+            if hi - lo >= shortest:
+                passes += [ReadPass(s, min(s + width, hi), ReadPath.READER) for s in range(lo, hi, width)]
+            elif hi > lo:
+                passes.append(ReadPass(lo, hi, ReadPath.STEPS))
+        if max(a, at) < b:
+            passes.append(ReadPass(max(a, at), b, ReadPath.STEPS))
+        at = max(at, b)
+    return tuple(passes)
+
+
+def read_pass(runtime: Runtime, reader: Reader | None, tokens: Sequence[int], part: ReadPass, chunk: int) -> None:
+    """One pass of ``part`` of a plan into ``runtime``'s cache (which holds ``tokens`` up to where
+    the part starts, or further into a part of the decoding path's, which it reads in chunks)."""
+    held = len(runtime.tokens)
+    if part.path is ReadPath.READER:
+        assert reader is not None and held == part.start
+        reader.read(runtime, tokens[: part.stop], part)
+    else:
+        runtime.forward(tokens[held : min(part.stop, held + chunk)])
+
+
+def steps_only(length: int) -> tuple[ReadPass, ...]:
+    """The plan without a reader: every token on the decoding path."""
+    return (ReadPass(0, length, ReadPath.STEPS),) if length > 0 else ()
+
+
+def resume_at(plan: Sequence[ReadPass], tokens: Sequence[int], cache: Runtime) -> int:
+    """How much of what ``cache`` holds a read of ``tokens`` by ``plan`` keeps: the tokens it shares
+    with them, up to the first entry another path or another pass wrote (a reader pass is kept
+    whole or not at all). Past the plan (the prompt's last token) only the decoding path's entries
+    are kept."""
+    shared = common_prefix(cache.tokens, tokens)
+    for p in plan:
+        if p.start >= shared:
+            return shared
+        if p.path is ReadPath.READER:
+            if shared < p.stop or any(origin != p for origin in cache.origins[p.start : p.stop]):
+                return p.start
+        else:
+            foreign = next((i for i in range(p.start, min(p.stop, shared)) if cache.origins[i] is not None), None)
+            if foreign is not None:
+                return foreign
+    end = plan[-1].stop if plan else 0
+    return next((i for i in range(end, shared) if cache.origins[i] is not None), shared)
+
+
+class Reader:
+    """The target's IR compiled stateless, in ``precision``, last-row logits only."""
+
+    def __init__(self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None):
+        core = core or ov.Core()
+        model = core.read_model(Path(ir_dir) / "openvino_model.xml")
+        graph.slice_logits(model)
+        stateful_to_stateless_transformation(model)
+        self.precision = precision
+        self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
+        self._inputs = {i.get_any_name() for i in model.inputs}
+        self._outputs = [o.get_any_name() for o in model.outputs if o.get_any_name() != "logits"]
+
+    def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
+        """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
+        are recorded as written by ``origin`` (None: a pass outside any plan)."""
+        past = len(runtime.tokens)
+        if runtime.slots != past:
+            raise ValueError("the reader needs a cache without masked entries")
+        states = runtime.request.query_state()
+        feed: dict[str, object] = {
+            "input_ids": np.asarray([tokens[past:]], dtype=np.int64),
+            "attention_mask": np.ones((1, len(tokens)), dtype=np.int64),
+            "position_ids": np.arange(past, len(tokens), dtype=np.int64)[None],
+            "logits_to_keep": np.array([1], dtype=np.int64),
+        }
+        pairs = [(state, *self._names(state.name)) for state in states]
+        for state, name, _ in pairs:
+            feed[name] = state.state if past else ov.Tensor(runtime.empty_state)
+        request = self.compiled.create_infer_request()  # (its outputs, a copy of the cache, go with it)
+        request.infer(feed)
+        for state, _, output in pairs:
+            state.state = request.get_tensor(output)
+        runtime.hold_loaded(tokens, [*runtime.origins, *[origin] * (len(tokens) - past)])
+
+    def _names(self, state: str) -> tuple[str, str]:
+        """The input and the output a state became (its variable is named after both)."""
+        for output in self._outputs:
+            if state.endswith(output) and state[: -len(output)] in self._inputs:
+                return state[: -len(output)], output
+        raise ValueError(f"state {state} has no input and output in the reader")
+
+
+def precisions(core: ov.Core) -> list[str]:
+    """The compute precisions the reader may run in on this CPU."""
+    capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    return ["f32"] + (["bf16"] if "BF16" in capabilities else [])
+
+
+def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | None:
+    """The reader in the precision that reads fastest here, or None where the target's own passes
+    read as fast: one pass of :data:`PROBE_WIDTH` tokens after :data:`PROBE_CONTEXT` each way, timed
+    at start (the gain grows with the context) and logged. The target's cache is left empty."""
+    core = core or ov.Core()
+    context = min(PROBE_CONTEXT, target.max_context // 2)
+    tokens = [0] * (context + PROBE_WIDTH)
+
+    def timed(read: object) -> float:
+        seconds = []
+        for _ in range(2):  # the first pass of a shape sets it up: not counted
+            target.fill(context)
+            start = time.perf_counter()
+            read()  # type: ignore[operator]
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
+
+    own = timed(lambda: target.forward(tokens[context:]))
+    best: tuple[float, Reader | None] = (own, None)
+    for precision in precisions(core):
+        reader = Reader(target.ir_dir, target.config, precision, core)
+        seconds = timed(lambda r=reader: r.read(target, tokens))
+        log.info(
+            "prompt reader %s: %.2f s for %d tokens after %d (the target's own passes: %.2f s)",
+            precision,
+            seconds,
+            PROBE_WIDTH,
+            context,
+            own,
+        )
+        if seconds < best[0]:
+            best = (seconds, reader)
+    target.release()
+    log.info("prompt reader: %s", f"{best[1].precision}" if best[1] else "not used (no faster here)")
+    return best[1]
