@@ -11,7 +11,7 @@ import pytest
 from engine.core.budget import HEADROOM, MemoryBudget
 from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
-from engine.core.reader import READ_PASS
+from engine.core.reading import READ_PASS
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine

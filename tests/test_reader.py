@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from engine.core.pacing import Pacing
-from engine.core.reader import Reader, ReadPass, ReadPath, read_plan, resume_at, steps_only
+from engine.core.reader import Reader
+from engine.core.reading import ReadPass, ReadPath, read_plan, resume_at, steps_only
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine

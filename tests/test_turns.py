@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from engine.api.openai import build_router
 from engine.core import scheduler as scheduler_module
 from engine.core.pacing import Pacing
-from engine.core.reader import READ_PASS
+from engine.core.reading import READ_PASS
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine

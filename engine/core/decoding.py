@@ -20,7 +20,8 @@ import numpy as np
 from engine.core.drafters import CopyDrafter, Draft, Drafter
 from engine.core.metrics import Stats
 from engine.core.pacing import Choice, Pacer, Pacing, RoundKind, TextKind
-from engine.core.reader import Reader, ReadPath, read_pass, read_plan, resume_at, steps_only
+from engine.core.reader import Reader, read_pass
+from engine.core.reading import ReadPath, read_plan, resume_at, steps_only
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy

@@ -11,18 +11,14 @@ import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
 
 from engine import manifest
 from engine.core import graph
+from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, PrepareError
-
-if TYPE_CHECKING:
-    from engine.core.reader import ReadPass
-
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
@@ -45,16 +41,6 @@ DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # A masked rollback compacts the cache once it holds more dropped entries than this; the
 # compaction costs one ordinary trim.
 MAX_MASKED = 64
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # the usual case on every step, compared in C
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _kv_heads(cfg: dict) -> int:

@@ -211,8 +211,11 @@ class Engine:
         return self.scheduler.full
 
     # -- generation -------------------------------------------------------------------------
-    def check(self, request: Request) -> chat.Prompt:
-        """The request's prompt, or an :class:`EngineError` saying what is wrong with it."""
+    def check(self, request: Request) -> list[int]:
+        """The request's prompt ids, or an :class:`EngineError` saying what is wrong with it."""
+        return self._checked(request).ids
+
+    def _checked(self, request: Request) -> chat.Prompt:
         request.check(self.modes, self.max_context)
         prompt = self.prompt(request)
         self.budget.check(request.tokens_held(prompt.ids, self.max_context), "this request")
@@ -267,7 +270,7 @@ class Engine:
             request, max_new_tokens=self._clients.limits.answer_cap(request.client, request.max_new_tokens)
         )
         try:
-            prompt = self.check(request)
+            prompt = self._checked(request)
             release = self._clients.admit(request.client)
         except ClientBusy as exc:
             return Stream.refused(str(exc), request.mode, exc.retry_after)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.drafters import Drafter
-from engine.core.reader import Reader, ReadPass, read_pass, read_plan
+from engine.core.reader import Reader, read_pass
+from engine.core.reading import ReadPass, read_plan
 from engine.core.runtime import Runtime, common_prefix
 
 # A prompt continues a session when it repeats at least this share of what the session caches
