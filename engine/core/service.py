@@ -85,14 +85,18 @@ class Engine:
         client may hold (default: no limit; :mod:`engine.core.turns`). ``shared_pool``: one n-gram
         pool for every client, instead of one each (:mod:`engine.core.pool`). ``prompt_reader``: how
         prompts are read (:data:`~engine.core.reader.READERS`: ``auto`` times the reader at start
-        and uses it where it reads faster, in the fastest precision; ``off``: the target's own
-        passes). The two models must share one vocabulary (``engine.prepare`` checks it)."""
+        and uses it where it reads faster, in the fastest precision, and where the budget holds its
+        weights beside the full input cap; ``off``: the target's own passes). The two models must
+        share one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
+        before = resident_bytes()
         self.target = Runtime(
             Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
         )
+        self.target.warm_up()
+        target_bytes = resident_bytes() - before  # (what a prompt reader, a copy of it, would hold too)
         self.draft = (
             Runtime(
                 Path(draft_dir),
@@ -106,9 +110,13 @@ class Engine:
             else None
         )
         self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
-        for runtime in (self.target, self.draft):
-            if runtime is not None:
-                runtime.warm_up()
+        if self.draft is not None:
+            self.draft.warm_up()
+        self.max_context = self.target.max_context
+        per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
+        wanted = max_input_tokens or int(self.max_context * INPUT_SHARE)
+        if prompt_reader == "auto" and not self._affords_reader(memory_limit, per_token, target_bytes, wanted):
+            prompt_reader = "off"
         self.reader = self._reader(prompt_reader)
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
@@ -118,15 +126,10 @@ class Engine:
         self.pacing = pacing or Pacing()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
-        self.max_context = self.target.max_context
-        per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
-        reading = self.target.kv_bytes_per_token if self.reader is not None else 0  # (its output: a copy)
-        self.budget = MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
+        self.budget = self._budget(memory_limit, per_token)
         log.info(self.budget.describe())
         # The longest prompt accepted: a share of the context, and what the budget holds beside an answer.
-        self.max_input_tokens = min(
-            max_input_tokens or int(self.max_context * INPUT_SHARE), self.budget.tokens - MIN_ANSWER_ROOM
-        )
+        self.max_input_tokens = min(wanted, self.budget.tokens - MIN_ANSWER_ROOM)
         if self.budget.tokens <= 2 * MIN_ANSWER_ROOM:
             raise EngineError(f"the {self.budget.describe()} is too small to serve a conversation: raise the limit")
         self.sessions = SessionPool(
@@ -154,14 +157,37 @@ class Engine:
         )
 
     def _reader(self, choice: str) -> Reader | None:
-        """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`)."""
+        """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`), its weights laid
+        out (what it holds is in the process's memory before the budget is drawn up)."""
         if choice not in READERS:
             raise EngineError(f"unknown prompt reader '{choice}': choose one of {', '.join(READERS)}")
         if choice == "off":
             return None
         if choice == "auto":
             return fastest_reader(self.target)
-        return Reader(self.target.ir_dir, self.target.config, choice)
+        reader = Reader(self.target.ir_dir, self.target.config, choice)
+        reader.warm_up(self.target)
+        return reader
+
+    def _affords_reader(self, memory_limit: int | None, per_token: int, target_bytes: int, wanted: int) -> bool:
+        """Whether the budget holds a prompt reader (about ``target_bytes`` more: its own layout of
+        the target's weights) beside ``wanted`` tokens of input and an answer; logged where not."""
+        reading = self.target.kv_bytes_per_token
+        budget = MemoryBudget.of_machine(memory_limit, resident_bytes() + target_bytes, per_token, reading)
+        if budget.tokens >= wanted + MIN_ANSWER_ROOM:
+            return True
+        log.info(
+            "prompt reader: none (its %s would leave room for %s tokens of input, under %s: raise --memory-limit)",
+            gigabytes(target_bytes),
+            f"{max(0, budget.tokens - MIN_ANSWER_ROOM):,}",
+            f"{wanted:,}",
+        )
+        return False
+
+    def _budget(self, memory_limit: int | None, per_token: int) -> MemoryBudget:
+        """The memory budget as the process stands (a prompt reader's pass holds a copy of the cache)."""
+        reading = self.target.kv_bytes_per_token if self.reader is not None else 0
+        return MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
         """Every mode's drafter over one session's draft cache."""
