@@ -41,7 +41,7 @@ from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
-from engine.startup import add_reader_argument
+from engine.startup import add_engine_arguments
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best")
@@ -333,7 +333,7 @@ def run_bench(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    add_reader_argument(parser)
+    add_engine_arguments(parser)  # (the memory limit and the prompt reader are read here)
     add_prompt_arguments(parser)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
     parser.add_argument(
@@ -354,7 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
-        engine = Engine(target.path, draft.path, draft_vocab=args.draft_vocab, prompt_reader=args.prompt_reader)
+        engine = Engine(
+            target.path,
+            draft.path,
+            draft_vocab=args.draft_vocab,
+            memory_limit=args.memory_limit,
+            prompt_reader=args.prompt_reader,
+        )
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}
         if unknown:

@@ -40,11 +40,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory the server may use, e.g. 8G: KV caches and prompt lengths are admitted within it "
         "(default: $SPECCHAT_MEMORY_LIMIT, else 30%% of the machine's memory)",
     )
-    add_reader_argument(parser)
-
-
-def add_reader_argument(parser: argparse.ArgumentParser) -> None:
-    """``--prompt-reader``: how the engine reads prompts (engine.core.reader)."""
     parser.add_argument(
         "--prompt-reader",
         choices=READERS,

@@ -95,6 +95,7 @@ def test_stop_during_a_long_prompt_ends_within_one_prefill_chunk(engine, fresh_a
 
 @pytest.mark.parametrize("mode", ["speculative", "hybrid"])
 def test_greedy_output_is_the_same_with_a_chunked_prefill(engine, monkeypatch, mode):
+    monkeypatch.setattr(engine.scheduler, "reader", None)  # (the reader's passes are its plan's)
     chat = ({"role": "user", "content": "class Stack:\n    def push " * 8},)
     ar = engine.run(Request(chat, mode="autoregressive", max_new_tokens=30, reuse_cache=False))
     monkeypatch.setattr(decoding, "PREFILL_CHUNK", 16)
