@@ -9,8 +9,8 @@ the caches it may need fit in that room beside the others': idle conversations' 
 first (least recently used), then it waits for a running request to end, and one that could not
 fit even alone is refused at once, its message naming the limit. A batch's rows are padded to the
 longest, so a row joins only while the padded batch fits (docs/design.md, "Memory"). A prompt
-reader's pass holds a copy of the cache it reads into (its output) until it is written back: room
-for the longest conversation's copy is kept aside.
+reader's pass grows the process with the cache it reads into (its output, a copy, and its
+scratch): room for reading the longest conversation is kept aside.
 """
 
 from __future__ import annotations

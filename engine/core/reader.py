@@ -32,6 +32,10 @@ from engine.core import graph
 from engine.core.reading import READ_PASS, ReadPass, ReadPath
 from engine.core.runtime import Runtime
 
+# What a reader's pass grows the process by, per byte of the cache it reads into: its output (a
+# copy of the cache), the past concatenated in each layer and its scratch; measured reading a
+# long paste, with the target's own passes' growth taken off (docs/benchmarks.md, "The prompt reader").
+RESIDENT_PER_READ_BYTE = 6
 # How an engine reads prompts: timed at start, a reader in one precision, or none.
 READERS = ("auto", "f32", "bf16", "off")
 # Where the reader's speed is timed at start: one pass of READ_PASS tokens after this many (a

@@ -29,7 +29,7 @@ from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import Pacing, PassCosts
 from engine.core.pool import Pools
-from engine.core.reader import READERS, Reader, fastest_reader
+from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.scheduler import Scheduler
@@ -172,7 +172,7 @@ class Engine:
     def _affords_reader(self, memory_limit: int | None, per_token: int, target_bytes: int, wanted: int) -> bool:
         """Whether the budget holds a prompt reader (about ``target_bytes`` more: its own layout of
         the target's weights) beside ``wanted`` tokens of input and an answer; logged where not."""
-        reading = self.target.kv_bytes_per_token
+        reading = self.target.kv_bytes_per_token * RESIDENT_PER_READ_BYTE
         budget = MemoryBudget.of_machine(memory_limit, resident_bytes() + target_bytes, per_token, reading)
         if budget.tokens >= wanted + MIN_ANSWER_ROOM:
             return True
@@ -185,8 +185,8 @@ class Engine:
         return False
 
     def _budget(self, memory_limit: int | None, per_token: int) -> MemoryBudget:
-        """The memory budget as the process stands (a prompt reader's pass holds a copy of the cache)."""
-        reading = self.target.kv_bytes_per_token if self.reader is not None else 0
+        """The memory budget as the process stands (room kept aside for a prompt reader's pass)."""
+        reading = self.target.kv_bytes_per_token * RESIDENT_PER_READ_BYTE if self.reader is not None else 0
         return MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
 
     def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
