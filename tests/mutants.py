@@ -46,6 +46,14 @@ MUTATIONS = [
         "tests/test_hardening.py",
     ),
     Mutation(
+        "a cache kept whoever wrote it",
+        "engine/core/reading.py",
+        "if shared < p.stop or any(origin != p for origin in cache.origins[p.start : p.stop]):",
+        "if shared < p.stop:",
+        "an answer depends on what the cache held before: entries another pass wrote are kept",
+        "tests/test_reader.py",
+    ),
+    Mutation(
         "typed control tokens parsed",
         "engine/core/chat.py",
         "split_special_tokens=True",

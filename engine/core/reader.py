@@ -39,7 +39,7 @@ RESIDENT_PER_READ_BYTE = 6
 # How an engine reads prompts: timed at start, a reader in one precision, or none.
 READERS = ("auto", "f32", "bf16", "off")
 # Where the reader's speed is timed at start: one pass of READ_PASS tokens after this many (a
-# narrower pass favours the target's own: on AVX2, 64 tokens read 1.3x slower, 256 tokens 1.35x faster).
+# narrower pass than it reads would favour the target's own: docs/benchmarks.md, "The prompt reader").
 PROBE_CONTEXT = 1024
 log = logging.getLogger("specchat.reader")
 
