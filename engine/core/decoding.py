@@ -133,10 +133,11 @@ class Decoder:
         prompt tokens read after each pass, so a caller can show progress and stop between them."""
         target = self.target
         target.trim(self._kept)
-        for i, part in enumerate(self.plan):
+        # (where the reader's last pass ends: past it, only the target's own passes are left)
+        readers_end = max((p.stop for p in self.plan if p.path is ReadPath.READER), default=0)
+        for part in self.plan:
             while (held := len(target.tokens)) < part.stop:
-                rest = self.plan[i:]
-                if len(self.context) - held <= self.prefill_chunk and all(p.path is ReadPath.STEPS for p in rest):
+                if held >= readers_end and len(self.context) - held <= self.prefill_chunk:
                     return
                 start, before = time.perf_counter(), target.passes
                 read_pass(target, self.config.reader, self.context, part, self.prefill_chunk)
