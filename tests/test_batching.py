@@ -5,6 +5,7 @@ only its own requests."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +17,12 @@ from scipy import stats as scipy_stats
 
 from engine.core import batch as batch_module
 from engine.core import scheduler as scheduler_module
-from engine.core.decoding import Decoder
+from engine.core.decoding import DecodeConfig, Decoder
+from engine.core.drafters import Draft, LookupDrafter
+from engine.core.metrics import Stats
 from engine.core.pacing import Pacing
 from engine.core.requests import Event, Request, Stream
-from engine.core.runtime import EXACT_CONFIG, common_prefix
+from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine
 
@@ -315,3 +318,85 @@ def test_a_row_that_no_longer_batches_leaves_the_batch_for_its_own_cache_unharme
     finals = [finish(stream)[0] for stream in streams]
     assert [f.error for f in finals] == ["", "", ""]
     assert [f.token_ids for f in finals] == solo
+
+
+def test_a_pass_of_mixed_widths_gives_each_row_its_lone_logits(ir_target):
+    """Rows fed 1, 3 and 5 tokens in one pass (the narrower padded after theirs), then cut back
+    (rejected drafts) to the same or to different lengths, then fed again: every row's logits
+    equal those of the same passes on its own cache, trimmed alike: bit for bit while the rows are
+    as long (padding after a row's tokens changes nothing), within rounding once they are not (on
+    an AVX2 CPU, left padding moved a tiny model's logits by up to 5e-6; docs/design.md, "Batching")."""
+    template = Runtime(ir_target, config=EXACT_CONFIG)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(10, 200, 17)] for _ in range(3)]
+    homes, lone = [template.fork() for _ in prompts], [template.fork() for _ in prompts]
+    for home, own, prompt in zip(homes, lone, prompts):
+        home.forward(prompt)
+        own.forward(prompt)
+    batch = batch_module.Batch(template)
+    batch.join(list(enumerate(homes)))
+    rounds = [((1, 3, 5), (1, 1, 1)), ((5, 2, 1), (1, 2, 1)), ((3, 3, 3), (3, 1, 2)), ((1, 2, 4), (1, 2, 3))]
+    for widths, kept in rounds:  # (tokens fed, kept of them)
+        even = len({len(own.tokens) for own in lone}) == 1
+        feeds = [[int(t) for t in rng.integers(10, 200, w)] for w in widths]
+        got = batch.step(feeds)
+        for row, own, feed in zip(got, lone, feeds):
+            expected = own.forward(feed, rows=len(feed))
+            assert np.array_equal(row, expected) if even else np.allclose(row, expected, rtol=0, atol=1e-4)
+        lengths = [len(own.tokens) - len(feed) + k for own, feed, k in zip(lone, feeds, kept)]
+        batch.keep(lengths)
+        for own, n in zip(lone, lengths):
+            own.trim(n)
+        assert [row.tokens for row in batch.rows] == [own.tokens for own in lone]
+        assert batch.slots == max(lengths)
+
+
+def test_a_copy_verified_in_a_batched_pass_keeps_the_target_distribution(ir_target):
+    """Sampling: a row verifies a copied token (the target's second likeliest) beside a plain row
+    in one batched pass, many times over with different seeds; the token each round starts with
+    follows the target's own distribution after the prompt (chi-square)."""
+    template = Runtime(ir_target, config=EXACT_CONFIG)
+    prompt, other = [11, 42, 7, 99, 23, 5], [13, 8, 77]
+    p = logits_to_probs(template.fork().forward(prompt)[-1:], SamplingParams(1.0))[0]
+    copied = int(np.argsort(p)[-2])
+    homes = [template.fork(), template.fork()]
+    homes[0].forward(prompt[:-1])
+    homes[1].forward(other[:-1])
+    batch = batch_module.Batch(template)
+    batch.join(list(enumerate(homes)))
+    copier = LookupDrafter(len(p))
+    n, counts = 600, collections.Counter()
+    for seed in range(n):
+        logits = batch.step([[prompt[-1], copied], [other[-1]]])
+        config = DecodeConfig(sampling=SamplingParams(1.0, seed=seed))
+        decoder = Decoder(template.fork(), None, prompt, config, Stats("best"))
+        draft = Draft([copied], np.eye(len(p))[[copied]], 0.0)
+        counts[decoder.take(logits[0], 0.0, (draft, copier)).tokens[0]] += 1
+        batch.keep([len(prompt) - 1, len(other) - 1])
+    tokens = sorted(range(len(p)), key=lambda t: -p[t])
+    expected = np.array([p[t] * n for t in tokens])
+    frequent = expected >= 5  # pool the rare tokens into one cell
+    observed = [counts[t] for t, f in zip(tokens, frequent) if f]
+    cells = list(expected[frequent])
+    observed.append(n - sum(observed))
+    cells.append(n - sum(cells))
+    assert counts[copied] > 0 and len(counts) > 1  # both the rule's ways were taken
+    assert scipy_stats.chisquare(observed, cells).pvalue > 0.001
+
+
+def test_rows_verify_their_copies_in_the_batched_pass_and_each_answer_equals_its_solo_run(shared, monkeypatch):
+    """Conversations that repeat themselves, served together in `best` and `pld` (prompt lookup): the batched
+    passes verify the rows' copies (wider than one token, rejected tokens cut back), and each
+    answer is the one its request gets alone."""
+    text = "one two three four five six seven eight nine ten " * 4
+    requests = [ask(f"{i}: continue {text}", mode, max_new_tokens=40) for i, mode in enumerate(["best", "pld"] * 2)]
+    solo = [alone(shared, r) for r in requests]
+    widths: list[int] = []
+    record = shared.scheduler.prices.record
+    monkeypatch.setattr(shared.scheduler.prices, "record", lambda r, w, s: widths.append(w) or record(r, w, s))
+    with held(shared):
+        streams = [shared.generate(r) for r in requests]
+    finals = [finish(s) for s in streams]
+    assert [f.token_ids for f, _ in finals] == solo
+    assert all(largest == len(requests) for _, largest in finals)
+    assert sum(w > 1 for w in widths) >= 3, widths

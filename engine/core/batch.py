@@ -1,16 +1,17 @@
 """Several conversations' target KV caches in one ``InferRequest``: one pass advances them all.
 
 On a memory-bound CPU a pass over several rows costs little more than a pass over one (the
-weights are read once): on this machine a one-token step of the default target takes 53 ms for
-one row and 76 ms for eight. Batching must not change a single logit, though, and on this CPU a
-row computes bit for bit what it computes alone only while its cache entries are contiguous:
-masked slots before them change nothing, a masked gap between them changes the rounding unless
-its length is a multiple of 16 (docs/design.md, "Batching"). So every row keeps its entries
-contiguous and ending at the last slot (each pass appends one real token to every row), rows are
-left-padded with masked slots, a joining row is written in by rebuilding the states (its own
-cache's entries, copied: O(rows x slots); its own copy is then freed), and a leaving row is
-dropped by the next pass's ``beam_idx`` (free) after its entries are copied back to its own
-cache.
+weights are read once), and a row may verify a draft in it: a few more tokens per row cost
+little more either. Batching must not change a single logit, though, and on this CPU a row
+computes bit for bit what it computes alone only while its cache entries are contiguous: masked
+slots before them change nothing, a masked gap between them changes the rounding unless its
+length is a multiple of 16 (docs/design.md, "Batching"). So every row keeps its entries
+contiguous and ending at the last slot before each pass: rows are left-padded with masked slots;
+a row fed fewer tokens than the widest is padded after them (no token of its own attends to
+those), and after the pass each row is cut back to what it keeps (:meth:`Batch.keep`); a joining
+row is written in by rebuilding the states (its own cache's entries, copied: O(rows x slots); its
+own copy is then freed), and a leaving row is dropped by the next pass's ``beam_idx`` (free)
+after its entries are copied back to its own cache.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Batch:
         self.rows: list[Row] = []
         self.slots = 0
         self._physical: list[int] = []  # each row's index in the states as they are now
+        self._tails: list[int] = []  # each row's slots after its entries, fed padding or a rejected draft (keep)
         self.passes = 0
         self.last_seconds = 0.0
 
@@ -69,6 +71,8 @@ class Batch:
         """Add a row per ``(key, home)``, holding what ``home``'s cache holds (one rebuild for
         all of them)."""
         homes = [home for _, home in members]
+        if any(self._tails):
+            raise ValueError("a row joins before the last pass's slots are cut (Batch.keep)")
         for home in homes:
             if home.slots != len(home.tokens):
                 raise ValueError("a batch row needs a cache without masked entries")
@@ -81,6 +85,7 @@ class Batch:
         self.rows += [Row(key, home, list(home.tokens), list(home.origins)) for key, home in members]
         self.slots = width
         self._physical = list(range(len(self.rows)))
+        self._tails = [0] * len(self.rows)
         for home in homes:  # the batch holds the entries now: the conversation's own copy is freed
             home.release()
         trim_heap()
@@ -91,6 +96,8 @@ class Batch:
         i = next(i for i, row in enumerate(self.rows) if row.key == key)
         row = self.rows.pop(i)
         physical = self._physical.pop(i)
+        if self._tails.pop(i) and write_back:
+            raise ValueError("a row leaves before its last pass's slots are cut (Batch.keep)")
         if write_back:
             start = self.slots - len(row.tokens)
             home = _states_by_name(row.home)
@@ -117,38 +124,76 @@ class Batch:
         has left since the last pass, a copy otherwise (75 ms of a 7-row batch's rebuild)."""
         return states if self._physical == list(range(len(states))) else states[self._physical]
 
-    def step(self, tokens: Sequence[int]) -> np.ndarray:
-        """Append ``tokens[i]`` to row i; return each row's logits for the next token."""
-        if len(tokens) != len(self.rows):
-            raise ValueError(f"{len(tokens)} tokens for {len(self.rows)} rows")
+    def step(self, feeds: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Append ``feeds[i]`` to row i (a plain step's one token, or a speculative round's last
+        token and draft); return each row's logits for the positions after each token fed. Rows
+        fed fewer tokens than the widest are padded after theirs (masked slots no token of theirs
+        attends to); where any row was, or a row's draft is rejected, :meth:`keep` cuts the rows
+        back before the next pass."""
+        if len(feeds) != len(self.rows):
+            raise ValueError(f"{len(feeds)} feeds for {len(self.rows)} rows")
+        if any(self._tails) or not all(feeds):
+            raise ValueError("a row is fed nothing, or holds slots to cut (Batch.keep) from the last pass")
         lengths = np.array([len(row.tokens) for row in self.rows])
-        if lengths.max() + 1 > self.max_context:
+        widths = np.array([len(feed) for feed in feeds])
+        fed = int(widths.max())
+        if (lengths + widths).max() > self.max_context:
             raise ValueError("a row would exceed the model's context")  # the decoder stops before this
-        width = self.slots + 1
-        mask = (np.arange(width)[None] >= (width - 1 - lengths)[:, None]).astype(np.int64)
+        slots = self.slots + fed
+        new = np.arange(fed)[None]
+        old = np.arange(self.slots)[None] >= (self.slots - lengths)[:, None]
+        mask = np.concatenate([old, new < widths[:, None]], axis=1).astype(np.int64)
+        ids = np.zeros((len(feeds), fed), dtype=np.int64)
+        for i, feed in enumerate(feeds):
+            ids[i, : len(feed)] = feed
         start = time.perf_counter()
         self.request.infer(
             {
-                "input_ids": np.asarray(tokens, dtype=np.int64)[:, None],
+                "input_ids": ids,
                 "attention_mask": mask,
-                "position_ids": lengths[:, None].astype(np.int64),
+                "position_ids": (lengths[:, None] + new).astype(np.int64),
                 "beam_idx": np.asarray(self._physical, dtype=np.int32),
-                "logits_to_keep": np.array([1], dtype=np.int64),
+                "logits_to_keep": np.array([fed], dtype=np.int64),
             }
         )
         self.last_seconds = time.perf_counter() - start
-        for row, token in zip(self.rows, tokens):
-            row.tokens.append(token)
-        self.slots = width
+        for row, feed in zip(self.rows, feeds):
+            row.tokens += feed
+            row.origins += [None] * len(feed)
+        self.slots = slots
+        self._tails = [fed - len(feed) for feed in feeds]
         self._physical = list(range(len(self.rows)))
         self.passes += 1
-        return self.request.get_tensor("logits").data[:, -1].astype(np.float32, copy=True)
+        logits = self.request.get_tensor("logits").data
+        return [logits[i, : len(feed)].astype(np.float32, copy=True) for i, feed in enumerate(feeds)]
+
+    def keep(self, lengths: Sequence[int]) -> None:
+        """Cut row i back to its first ``lengths[i]`` tokens (a speculative round's rejected draft
+        and the last pass's padding): each row's entries end at the last slot again, contiguous.
+        Free where nothing is cut; a cut of the same slots from every row keeps a prefix of each
+        state; otherwise the rows are laid out again (one copy of the states, as a join's)."""
+        ends = [self.slots - tail - (len(row.tokens) - n) for row, tail, n in zip(self.rows, self._tails, lengths)]
+        for row, n in zip(self.rows, lengths):
+            del row.tokens[n:], row.origins[n:]
+        self._tails = [0] * len(self.rows)
+        if all(end == self.slots for end in ends):
+            return
+        width = max(lengths)
+        for state in self.request.query_state():  # one state at a time
+            data = self._in_order(state.state.data)
+            if len(set(ends)) == 1:  # (every row cut alike: the states' first slots)
+                state.state = state_tensor(data[:, :, : ends[0]][:, :, -width:])
+                continue
+            rows = [_fit(data[i : i + 1, :, :end], width) for i, end in enumerate(ends)]
+            state.state = state_tensor(np.concatenate(rows))
+        self.slots = width
+        self._physical = list(range(len(self.rows)))
 
     def reset(self) -> None:
         """Drop every row without writing anything back (after a failed pass): a new request, so
         the old one's states, whatever a failure left them as, are freed with it."""
         self.request = self.compiled.create_infer_request()
-        self.rows, self._physical, self.slots = [], [], 0
+        self.rows, self._physical, self._tails, self.slots = [], [], [], 0
 
 
 def _entries(states: dict[str, ov.VariableState], name: str, home: Runtime) -> np.ndarray:

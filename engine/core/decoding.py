@@ -186,16 +186,32 @@ class Decoder:
         costs and what the round would gain otherwise (the pacer's measured pace of draft-model
         rounds where it runs them). Tried at every round whatever the pacer says: only its choice
         between the draft model and plain steps has a price to learn."""
-        if not (self.config.pacing is not None and self.speculative and self.stats.rounds > 0 and limit > 0):
+        if self.config.pacing is None:
+            return None
+        copied = self._copy(limit, self.pacer.bar() if self.pacer is not None else 1.0)
+        return copied if copied is None or self.pacer is None or self.pacer.offer_copy() else None
+
+    def _copy(self, limit: int, bar: float) -> tuple[Draft, Drafter] | None:
+        """The first copy the drafter (prompt lookup) or the pool offers at its price against
+        ``bar``, cut to ``limit``, and who made it; None where neither has one."""
+        if not (self.speculative and self.stats.rounds > 0 and limit > 0):
             return None
         assert self.drafter is not None
-        k, bar = min(self.config.k, limit), self.pacer.bar() if self.pacer is not None else 1.0
+        k = min(self.config.k, limit)
         for copier in (self.drafter, self.config.pool):
-            if copier is None:
-                continue
-            if (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens:
-                return (draft, copier) if self.pacer is None or self.pacer.offer_copy() else None
+            if (
+                copier is not None
+                and (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens
+            ):
+                return draft, copier
         return None
+
+    def copy_for_batch(self) -> tuple[Draft, Drafter] | None:
+        """What this request verifies in the next batched pass beside the context's last token: a
+        copy that costs no model pass (the draft model's cache is freed while its request is
+        batched), priced against a plain step, or None (a plain step). Each batched pass's
+        width is then priced for all its rows together (:class:`engine.core.pacing.BatchPrices`)."""
+        return self._copy(self.room(), 1.0)
 
     def catch_up(self) -> Iterator[int]:
         """The draft's own long prefill, before the first speculative round (in chunks)."""
@@ -237,12 +253,9 @@ class Decoder:
             read_seconds = draft.read_seconds
             if self.config.pacing is not None:
                 self.config.pacing.learn_reading(draft.read_seconds, draft.read)
-            round_ = _speculative_round(
-                self.target, proposer, self.context, draft, self.config.sampling, self.rng, self.stats
-            )
-            if proposer is self.config.pool:
-                self.stats.pool_drafted += len(draft.tokens)
-                self.stats.pool_accepted += self.stats.accepted - accepted
+            logits = _target_logits(self.target, self.context + draft.tokens, len(draft.tokens) + 1, self.stats)
+            round_ = _judged(proposer, draft, logits, self.config.sampling, self.rng, self.stats)
+            self._count_pool(proposer, draft, accepted)
         else:
             logits = _target_logits(self.target, self.context, 1, self.stats)
             round_ = self._plain(logits[-1])
@@ -259,13 +272,27 @@ class Decoder:
             self.stats.plain_rounds += not spec
         return round_
 
-    def take(self, logits: np.ndarray, seconds: float) -> Round:
-        """A plain round from the logits of this request's row in a batched target pass (which fed
-        the context's last token); ``seconds``: that pass's time."""
+    def take(self, logits: np.ndarray, seconds: float, copied: tuple[Draft, Drafter] | None = None) -> Round:
+        """A round from this request's rows of a batched target pass, which fed the context's
+        last token and ``copied``'s draft (:meth:`copy_for_batch`, if any): the logits after each
+        token fed; ``seconds``: that pass's time. The target's cache holds what the round fed;
+        what it keeps is the context but its last token (the batch cuts the rest)."""
         self.stats.target_seconds += seconds
         self.stats.target_passes += 1
-        self.stats.plain_rounds += self.stats.rounds > 0 and self.speculative
-        return self._accept(self._plain(logits))
+        if copied is None:
+            self.stats.plain_rounds += self.stats.rounds > 0 and self.speculative
+            return self._accept(self._plain(logits[0]))
+        draft, copier = copied
+        accepted = self.stats.accepted
+        round_ = _judged(copier, draft, logits, self.config.sampling, self.rng, self.stats)
+        self._count_pool(copier, draft, accepted)
+        return self._accept(round_)
+
+    def _count_pool(self, proposer: Drafter, draft: Draft, accepted: int) -> None:
+        """Count a draft the pool made (``accepted``: the request's accepted count before its round)."""
+        if proposer is self.config.pool:
+            self.stats.pool_drafted += len(draft.tokens)
+            self.stats.pool_accepted += self.stats.accepted - accepted
 
     def _plain(self, logits: np.ndarray) -> Round:
         return Round([next_token(logits, self.config.sampling, self.rng)], [Provenance.AUTOREGRESSIVE])
@@ -324,18 +351,12 @@ def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) 
     return logits
 
 
-def _speculative_round(
-    target: Runtime,
-    drafter: Drafter,
-    context: list[int],
-    draft: Draft,
-    params: SamplingParams,
-    rng: np.random.Generator,
-    stats: Stats,
+def _judged(
+    drafter: Drafter, draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, stats: Stats
 ) -> Round:
-    """Verify ``draft`` (``drafter``'s proposal) with one target pass and keep what the rule accepts."""
+    """Keep what the rule accepts of ``draft`` (``drafter``'s proposal), given the target's
+    ``logits`` after the context's last token and after each drafted token (one verify pass)."""
     stats.draft_seconds += draft.seconds
-    logits = _target_logits(target, context + draft.tokens, len(draft.tokens) + 1, stats)
     if params.greedy:
         n, token = accept_greedy(draft.tokens, logits)
     else:

@@ -32,6 +32,7 @@ class Draft:
     # it, not of its rounds.
     read: int = 0
     read_seconds: float = 0.0
+    acceptance: float = 0.0  # a copy's: the share of its drafter's copies the target accepted lately (its price's)
 
     def head(self, n: int) -> Draft:
         """The first ``n`` drafted tokens (the loop caps a draft at the token budget)."""
@@ -295,7 +296,7 @@ class CopyDrafter:
         if not params.greedy:
             probs = np.zeros((len(tokens), self.vocab_size))
             probs[np.arange(len(tokens)), tokens] = 1.0
-        return Draft(tokens, probs, time.perf_counter() - start)
+        return Draft(tokens, probs, time.perf_counter() - start, acceptance=self.acceptance)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted:

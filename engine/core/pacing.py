@@ -457,6 +457,44 @@ class Pacer:
             figures[kind] = Figures(seconds, max(tokens, 1))
 
 
+class BatchPrices:
+    """What a batched target pass costs by its rows and width, and so how wide the next runs: the
+    rows' copies verified in it (each row's widest draft sets the pass's width; narrower rows are
+    padded) against a plain batched step. Costs are measured as passes run, the cut of rejected
+    drafts after each included, and priced until then from the lone passes' costs timed at start
+    (:meth:`PassCosts.ratio`; without them a width is free): a width is measured once it promises
+    to pay."""
+
+    WEIGHT = 0.2  # the weight of each new pass in a width's average
+
+    def __init__(self, costs: PassCosts | None = None):
+        self.costs = costs
+        self._seconds: dict[tuple[int, int], float] = {}  # (rows, width): seconds of a pass and its cut
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """Count a pass over ``rows`` rows ``width`` tokens wide that took ``seconds``."""
+        old = self._seconds.get((rows, width))
+        self._seconds[rows, width] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def ratio(self, rows: int, width: int) -> float:
+        """What a pass ``width`` wide costs in plain batched steps of as many rows."""
+        plain, wide = self._seconds.get((rows, 1)), self._seconds.get((rows, width))
+        if plain is not None and wide is not None:
+            return wide / plain
+        return 1.0 if self.costs is None else self.costs.ratio(width)
+
+    def width(self, copies: Sequence[tuple[int, float]]) -> int:
+        """The width of the next batched pass, one row per ``(tokens copied, their acceptance)``
+        (no copy: 0 tokens): the one that promises the most tokens per second, a wider pass only
+        where it promises :data:`TRY_MARGIN` over plain steps (1: a plain step for every row)."""
+        rows, best, promised = len(copies), 1, TRY_MARGIN
+        for width in range(2, 2 + max((n for n, _ in copies), default=0)):
+            tokens = sum(expected_tokens(alpha, min(n, width - 1)) for n, alpha in copies)
+            if (gain := tokens / (rows * self.ratio(rows, width))) >= promised:
+                best, promised = width, gain
+        return best
+
+
 class Pacing:
     """The paced mode's policy on one server: the machine's pass costs (None: a round of the draft
     model may pay and every lookup copy is worth verifying) and what rounds have measured on each

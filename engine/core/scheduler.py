@@ -25,7 +25,7 @@ from engine.core.chat import Prompt
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.metrics import Baseline, Stats
 from engine.core.modes import MODES
-from engine.core.pacing import Pacing
+from engine.core.pacing import BatchPrices, Pacing
 from engine.core.pool import Pools
 from engine.core.reader import Reader
 from engine.core.requests import Event, EventKind, Request, Stream
@@ -126,6 +126,7 @@ class Scheduler:
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
+        self.prices = BatchPrices(pacing.costs)  # what batched passes cost by rows and width (worker thread only)
         self._serving: list[_Job] = []  # started, not finished (worker thread only)
         self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
         # Tool jobs that arrived inside an iteration, kept for the next one (worker thread only).
@@ -430,8 +431,10 @@ class Scheduler:
         self._emit(job, job.decoder.round(), batch_size=1)
 
     def _together(self, jobs: list[_Job]) -> None:
-        """One batched target pass over ``jobs``; each takes its own token. A row of the batch
-        not among them (grown too wide, or waiting for its share as side work) leaves first."""
+        """One batched target pass over ``jobs``: each row verifies the copy it offers where the
+        pass's width pays for all rows together (:class:`BatchPrices`), else takes a plain step;
+        then every row is cut back to what its round keeps. A row of the batch not among them
+        (grown too wide, or waiting for its share as side work) leaves first."""
         keys = {j.key for j in jobs}
         for row in [row for row in self._batch.rows if row.key not in keys]:
             self._batch.leave(row.key)
@@ -446,10 +449,17 @@ class Scheduler:
                 job.session.draft.release()
         order = {row.key: i for i, row in enumerate(self._batch.rows)}
         jobs = sorted(jobs, key=lambda j: order[j.key])
-        logits = self._batch.step([j.decoder.context[-1] for j in jobs])  # type: ignore[union-attr]
-        for job, row in zip(jobs, logits):
-            assert job.decoder is not None
-            self._emit(job, job.decoder.take(row, self._batch.last_seconds), batch_size=len(jobs))
+        decoders = [j.decoder for j in jobs if j.decoder is not None]
+        copies = [d.copy_for_batch() for d in decoders]
+        width = self.prices.width([(len(c[0].tokens), c[0].acceptance) if c else (0, 0.0) for c in copies])
+        copies = [(c[0].head(width - 1), c[1]) if c and width > 1 else None for c in copies]
+        start = time.perf_counter()
+        logits = self._batch.step([[d.context[-1], *(c[0].tokens if c else ())] for d, c in zip(decoders, copies)])
+        rounds = [d.take(row, self._batch.last_seconds, c) for d, row, c in zip(decoders, logits, copies)]
+        self._batch.keep([len(d.context) - 1 for d in decoders])
+        self.prices.record(len(jobs), width, time.perf_counter() - start)
+        for job, round_ in zip(jobs, rounds):
+            self._emit(job, round_, batch_size=len(jobs))
 
     def _emit(self, job: _Job, round_: Round, batch_size: int) -> None:
         """Stream a round's text; end the request at a stop string, a cancel or the decoder's end."""
