@@ -47,6 +47,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="how prompts are read: a stateless copy of the target in large passes, in f32 or bf16, "
         "or off (the target's own passes); auto times it at start and uses it where it reads faster",
     )
+    parser.add_argument(
+        "--batch-speculation",
+        choices=("on", "off"),
+        default="on",
+        help="whether requests served together verify their lookup and pool copies in the batched pass "
+        "(off: plain batched steps while more than one request generates)",
+    )
 
 
 def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine:
@@ -68,4 +75,5 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
         shared_pool=getattr(args, "shared_pool", False),
         prompt_reader=getattr(args, "prompt_reader", "auto"),
+        batch_speculation=getattr(args, "batch_speculation", "on") == "on",
     )

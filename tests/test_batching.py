@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from engine.core import batch as batch_module
-from engine.core import scheduler as scheduler_module
+from engine.core import planning
 from engine.core.decoding import DecodeConfig, Decoder
 from engine.core.drafters import Draft, LookupDrafter
 from engine.core.metrics import Stats
@@ -303,7 +303,7 @@ def test_a_row_that_no_longer_batches_leaves_the_batch_for_its_own_cache_unharme
     """Rows batch while the widest is at most twice the shortest (no spread here): a shorter
     conversation joining mid-answer sends the widest row out of the batch, to its own cache, in
     its share of the time; every answer equals its solo run."""
-    monkeypatch.setattr(scheduler_module, "BATCH_SPREAD", 0)
+    monkeypatch.setattr(planning, "BATCH_SPREAD", 0)
     rng = np.random.default_rng(5)
     a, r, c = (tuple(rng.integers(10, 300, n).tolist()) for n in (30, 50, 26))
     requests = [

@@ -30,6 +30,8 @@ from engine.core.runtime import Runtime
 # trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
 # round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
 TRY_MARGIN = 1.1
+# The widths a batched pass may take (its rows' copies cut to fit): a few, each measured as it runs.
+BATCH_WIDTHS = (1, 2, 3, 5, 9, 17)
 # Contexts at which the engine times what a rejection costs the target (PassCosts.rejection).
 REJECTION_CONTEXTS = (1000, 4000, 8000)
 
@@ -460,10 +462,12 @@ class Pacer:
 class BatchPrices:
     """What a batched target pass costs by its rows and width, and so how wide the next runs: the
     rows' copies verified in it (each row's widest draft sets the pass's width; narrower rows are
-    padded) against a plain batched step. Costs are measured as passes run, the cut of rejected
-    drafts after each included, and priced until then from the lone passes' costs timed at start
-    (:meth:`PassCosts.ratio`; without them a width is free): a width is measured once it promises
-    to pay."""
+    padded) against a plain batched step. Widths come from :data:`BATCH_WIDTHS` only: the CPU
+    plugin pays a setup cost on every pass whose shape differs from the one before. Costs are
+    measured as passes run, the cut of rejected drafts after each included, and priced until then
+    from the lone passes' costs timed at start (a pass over all the rows' tokens against one over
+    a token per row: :meth:`PassCosts.ratio`, growing in proportion past the widest timed; without
+    them a width is free): a width is measured once it promises to pay."""
 
     WEIGHT = 0.2  # the weight of each new pass in a width's average
 
@@ -481,14 +485,24 @@ class BatchPrices:
         plain, wide = self._seconds.get((rows, 1)), self._seconds.get((rows, width))
         if plain is not None and wide is not None:
             return wide / plain
-        return 1.0 if self.costs is None else self.costs.ratio(width)
+        if self.costs is None:
+            return 1.0
+        return self._lone(rows * width) / self._lone(rows)
+
+    def _lone(self, tokens: int) -> float:
+        """A lone pass over ``tokens`` tokens, in plain steps (proportional past the widest timed)."""
+        assert self.costs is not None
+        widest = max((w for w, _ in self.costs.verify), default=1)
+        return self.costs.ratio(min(tokens, widest)) * max(1.0, tokens / widest)
 
     def width(self, copies: Sequence[tuple[int, float]]) -> int:
         """The width of the next batched pass, one row per ``(tokens copied, their acceptance)``
-        (no copy: 0 tokens): the one that promises the most tokens per second, a wider pass only
-        where it promises :data:`TRY_MARGIN` over plain steps (1: a plain step for every row)."""
+        (no copy: 0 tokens): of :data:`BATCH_WIDTHS`, the one that promises the most tokens per
+        second, a wider pass only where it promises :data:`TRY_MARGIN` over plain steps (1: a
+        plain step for every row)."""
         rows, best, promised = len(copies), 1, TRY_MARGIN
-        for width in range(2, 2 + max((n for n, _ in copies), default=0)):
+        longest = max((n for n, _ in copies), default=0)
+        for width in (w for w in BATCH_WIDTHS if 1 < w <= longest + 1):
             tokens = sum(expected_tokens(alpha, min(n, width - 1)) for n, alpha in copies)
             if (gain := tokens / (rows * self.ratio(rows, width))) >= promised:
                 best, promised = width, gain

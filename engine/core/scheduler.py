@@ -1,7 +1,9 @@
 """The engine's worker thread and the scheduler on it: which requests wait, which are served, and
-how each iteration advances them (a prefill chunk, then one round of every generating request:
-alone on its own caches, or several in one batched target pass; :mod:`engine.core.service` says
-why). Every piece of work runs on this one thread, so no two requests touch the KV caches at once.
+how each iteration advances them: planned from a snapshot of the requests
+(:mod:`engine.core.planning`: a first round, or one batched target pass where every row verifies
+its copies or takes a plain step, or each request's round alone, then side work), run, and each
+round applied to its request's stream. Every piece of work runs on this one thread, so no two
+requests touch the KV caches at once.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.core import decoding
+from engine.core import decoding, planning
 from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget
 from engine.core.chat import Prompt
@@ -40,10 +42,6 @@ T = TypeVar("T")
 # Requests served together; more wait in the queue. On this machine a batched step over 8 rows
 # costs 1.4x a single row's (docs/design.md, "Batching").
 MAX_BATCH = 8
-# A batched step's attention runs over its widest row (the others padded): a row joins only while
-# the batch stays within twice its shortest row plus this many tokens; a longer one runs alone, in
-# its share of the time, so one long conversation does not make everyone's steps as slow as its own.
-BATCH_SPREAD = 512
 # While others generate, a long prompt is read in passes of about this long, in its client's share
 # of the time (turns.TimeShare): no one's next token waits behind a two-second prefill chunk.
 SLICE_S = 0.25
@@ -108,11 +106,14 @@ class Scheduler:
         fence_ids: frozenset[int],
         pools: Pools,
         reader: Reader | None = None,
+        prices: BatchPrices | None = None,
     ) -> None:
         """``clients``: the ledger the engine admits requests by (a finished one is returned to
         it here); ``pacing``, ``stop_ids``, ``fence_ids`` and ``reader`` (the prompt reader, if
         one is used) go to every request's decoder; ``pools``: the clients' n-gram pools, which
-        paced requests draft from and every finished one adds its conversation to."""
+        paced requests draft from and every finished one adds its conversation to; ``prices``:
+        what batched passes cost by rows and width, which prices the copies rows verify in them
+        (None: batched passes are plain steps)."""
         self.target = target
         self.sessions = sessions
         self.budget = budget
@@ -126,14 +127,13 @@ class Scheduler:
         self._progress_at = time.monotonic()
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
-        self.prices = BatchPrices(pacing.costs)  # what batched passes cost by rows and width (worker thread only)
+        self.prices = prices  # (worker thread only)
         self._serving: list[_Job] = []  # started, not finished (worker thread only)
         self._jobs: queue.Queue[_Job | Callable[[], None]] = queue.Queue()  # arrived, not yet in line
-        # Tool jobs that arrived inside an iteration, kept for the next one (worker thread only).
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._waiting: FairQueue[_Job] = FairQueue(lambda job: job.client)  # in line (worker thread only)
         self._clients = clients
         self._share = TimeShare(most_s=SLICE_S)
+        self._firsts = 0  # first rounds run in a row, since the last shared work (worker thread only)
         self._busy = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
@@ -180,7 +180,7 @@ class Scheduler:
     def _places_taken(self) -> int:
         """Requests holding one of the :attr:`max_batch` places: all those served but the ones
         still reading a prompt longer than a chunk. Those are side work, all of them in one
-        client's share of the time (:meth:`_advance`), and their rows do not batch with short
+        client's share of the time (:meth:`_iterate`), and their rows do not batch with short
         ones: they would otherwise keep other clients' short questions waiting in line for the
         minutes a paste takes to read (memory and each client's limits bound them still)."""
         return sum(1 for job in self._serving if job.unread <= decoding.PREFILL_CHUNK)
@@ -192,18 +192,17 @@ class Scheduler:
                 self._admit()
                 with self._busy:
                     self._progress_at = time.monotonic()
-                    self._advance()
+                    self._iterate()
             except BaseException:  # a failure outside any request's handling: log it, keep serving
                 log.exception("the scheduler failed outside a request's handling")
 
-    def _admit(self, within: bool = False) -> None:
+    def _admit(self) -> None:
         """Put what arrived in line (waiting for something when idle) and run the queued tool jobs
-        (:meth:`call`; ``within`` an iteration, they wait for the next one); then start waiting
-        requests while there is room, taking the clients' lines in turn (:mod:`engine.core.turns`),
-        each within its client's running limit and the memory budget (a client's second request at
-        once only while places are spare). One that does not fit keeps its turn; one cancelled
-        while it waited ends at once."""
-        self._collect(block=not (within or self._serving or self._waiting), calls=not within)
+        (:meth:`call`); then start waiting requests while there is room, taking the clients' lines
+        in turn (:mod:`engine.core.turns`), each within its client's running limit and the memory
+        budget (a client's second request at once only while places are spare). One that does not
+        fit keeps its turn; one cancelled while it waited ends at once."""
+        self._collect(block=not (self._serving or self._waiting))
         for dropped in self._waiting.drop(lambda j: j.cancelled):  # (its client's count falls now)
             self._finish(dropped, "cancelled")
         running = collections.Counter(job.client for job in self._serving)
@@ -225,11 +224,8 @@ class Scheduler:
             running[job.client] += 1
             self._start(job)
 
-    def _collect(self, block: bool, calls: bool) -> None:
-        """Put the requests that arrived in line, and run the tool jobs among them in turn, or,
-        where not ``calls``, keep those for the next time (after what was kept before)."""
-        while calls and self._calls:
-            self._call(self._calls.popleft())
+    def _collect(self, block: bool) -> None:
+        """Put the requests that arrived in line, and run the tool jobs among them in turn."""
         while True:
             try:
                 item = self._jobs.get(block=block)
@@ -238,10 +234,8 @@ class Scheduler:
             block = False
             if isinstance(item, _Job):
                 self._waiting.put(item)
-            elif calls:
-                self._call(item)
             else:
-                self._calls.append(item)
+                self._call(item)
 
     def _call(self, job: Callable[[], None]) -> None:
         with self._busy:
@@ -301,57 +295,59 @@ class Scheduler:
         """What every KV cache holds: the conversations' and the batch's rows (padded to the longest)."""
         return self.sessions.kv_cache_bytes + self._batch.kv_cache_bytes
 
-    def _batchable(self, jobs: list[_Job]) -> list[_Job]:
-        """The generating requests whose rows fit the budget together, padded to the longest row:
-        the shortest first, within :data:`BATCH_SPREAD`, at most :attr:`max_batch`. A row a
-        thousand times longer than the others would otherwise make each of them that long, in
-        memory and in time."""
-        members = [j.session for j in jobs]
-        others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is m for m in members))
-        room = self.budget.room - self.budget.bytes_held(others)
-        chosen: list[_Job] = []
-        for job in sorted(jobs, key=lambda j: len(j.decoder.context)):  # type: ignore[union-attr]
-            width = len(job.decoder.context)  # type: ignore[union-attr]
-            shortest = len(chosen[0].decoder.context) if chosen else width  # type: ignore[union-attr]
-            if (len(chosen) + 1) * self.budget.bytes_held(width * self.target.kv_bytes_per_token) > room:
-                break
-            if width > 2 * shortest + BATCH_SPREAD or len(chosen) == self.max_batch:
-                break
-            chosen.append(job)
-        return chosen
+    def _seats(self) -> list[planning.Seat]:
+        """What the planner is told of each request served."""
+        return [
+            planning.Seat(
+                job.key,
+                job.client,
+                reading=job.prefill is not None,
+                unread=job.unread,
+                rounds=job.stats.rounds,
+                context=len(job.decoder.context) if job.decoder is not None else len(job.prompt),
+                batched=job.key in self._batch,
+                side_s=job.side_s,
+            )
+            for job in self._serving
+        ]
 
-    def _advance(self) -> None:
-        """One iteration. First rounds come first (:meth:`_first_rounds`), so a user has a token
-        as soon as the prompt is read, not after every prompt that arrived with it. Then the
-        shared work: one batched step of the requests that generate together (a request joins
-        after its first round), or, where none batch, a round of each. Then side work, each piece
-        serving one client: a slice of a long prompt, a round of a row that does not batch; while
-        others generate it runs in its clients' share of the time (:class:`TimeShare`), the least
-        served first, so one stranger's paste slows everyone else by a client's share, not by its
-        whole reading. A request that arrives meanwhile ends the iteration's side work: it starts
-        at the next one, its first token not behind a slice (the paste keeps its credit)."""
-        generating = [j for j in self._serving if j.prefill is None]
-        first = any(self._first_due(j) for j in self._serving)
-        going = [j for j in generating if j.stats.rounds > 0]
-        # (while others start beside it, a lone row of the batch stays in it: alone, it would
-        # leave and its draft re-read the conversation, only to join again next iteration)
-        together = self._batchable(going) if len(generating) > 1 else []
-        if len(together) == 1 and not (first and together[0].key in self._batch):
-            together = []
-        apart = [j for j in going if j not in together]
-        shared = [together] if together else [[j] for j in apart]
+    def _fits(self) -> Callable[[Sequence[planning.Seat]], bool]:
+        """Whether rows fit the memory budget together, each padded to the widest, beside the
+        caches of the conversations not generating."""
+        going = [j.session for j in self._serving if j.prefill is None and j.stats.rounds > 0]
+        others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is g for g in going))
+        room = self.budget.room - self.budget.bytes_held(others)
+        per_token = self.target.kv_bytes_per_token
+        return lambda rows: len(rows) * self.budget.bytes_held(max(r.context for r in rows) * per_token) <= room
+
+    def _iterate(self) -> None:
+        """Plan an iteration (:func:`engine.core.planning.plan`), then run it: a first round alone,
+        or the shared work, then side work, each piece serving one client. While others generate,
+        side work runs in its clients' share of the time (:class:`TimeShare`), the least served
+        first, so one stranger's paste slows everyone else by a client's share, not by its whole
+        reading. A request that arrives meanwhile ends the iteration's side work: it starts at
+        the next one, its first token not behind a slice (the paste keeps its credit)."""
+        plan = planning.plan(self._seats(), self._firsts, self.max_batch, self._fits())
+        jobs = {job.key: job for job in self._serving}
         start = time.perf_counter()
-        served = self._first_rounds()
-        for jobs in shared:
-            work = functools.partial(self._together, jobs) if jobs is together else None
-            self._guard(jobs, work or functools.partial(self._alone, jobs[0]))
-        side = (apart if together else []) + [j for j in self._serving if j.prefill is not None]
-        served |= {j.client for jobs in shared for j in jobs}
+        if plan.first is not None:
+            self._firsts += 1
+            job = jobs[plan.first]
+            self._guard([job], functools.partial(self._first_round, job))
+            self._share.shared(time.perf_counter() - start, 1)
+            return
+        self._firsts = 0
+        if plan.together:
+            together = [jobs[key] for key in plan.together]
+            self._guard(together, functools.partial(self._together, together))
+        for key in plan.alone:
+            self._guard([jobs[key]], functools.partial(self._alone, jobs[key]))
+        served = {jobs[key].client for key in (*plan.together, *plan.alone)}
         if served:
             self._share.shared(time.perf_counter() - start, len(served))
         else:
             self._share.idle()
-        for job in sorted(side, key=lambda j: j.side_s):
+        for job in [jobs[key] for key in plan.side]:
             if (served and not self._share.allows()) or not self._jobs.empty():
                 return  # (what arrived meanwhile starts first: its first token does not wait for a slice)
             if job not in self._serving:
@@ -366,36 +362,12 @@ class Scheduler:
             if served:  # (alone, it owes no one)
                 self._share.spend(took)
 
-    @staticmethod
-    def _first_due(job: _Job) -> bool:
-        """Whether ``job``'s first round is due: what is left of its prompt takes a chunk or less."""
-        return job.stats.rounds == 0 and (job.prefill is None or job.unread <= decoding.PREFILL_CHUNK)
-
     def _first_round(self, job: _Job) -> None:
         """The rest of ``job``'s prompt (a chunk or less), then its first round."""
         while job.prefill is not None and job in self._serving:
             self._read_prompt(job)
         if job in self._serving:
             self._alone(job)
-
-    def _first_rounds(self) -> set[str]:
-        """The first rounds due, one at a time, each on its request's own cache; the clients
-        served. After each, what arrived meanwhile is started, so a question asked during a burst
-        of first rounds waits for the one under way, not for all of them. The next is that of the
-        client with the fewest requests already answering (a client with one answering waits for
-        every other client's first token), the shortest read among them (a burst's users wait least
-        in all). At most :attr:`max_batch` of them: a stream of arrivals does not hold the step back."""
-        served: set[str] = set()
-        for _ in range(self.max_batch):
-            due = [j for j in self._serving if self._first_due(j)]
-            if not due:
-                break
-            answering = collections.Counter(j.client for j in self._serving if j.stats.rounds > 0)
-            job = min(due, key=lambda j: (answering[j.client], j.unread))
-            self._guard([job], functools.partial(self._first_round, job))
-            served.add(job.client)
-            self._admit(within=True)
-        return served
 
     def _read_prompt(self, job: _Job, sliced: bool = False) -> None:
         """A pass of ``job``'s prompt: a whole chunk, or (``sliced``, while others generate) one
@@ -450,14 +422,16 @@ class Scheduler:
         order = {row.key: i for i, row in enumerate(self._batch.rows)}
         jobs = sorted(jobs, key=lambda j: order[j.key])
         decoders = [j.decoder for j in jobs if j.decoder is not None]
-        copies = [d.copy_for_batch() for d in decoders]
-        width = self.prices.width([(len(c[0].tokens), c[0].acceptance) if c else (0, 0.0) for c in copies])
+        copies = [d.copy_for_batch() if self.prices is not None else None for d in decoders]
+        offers = [(len(c[0].tokens), c[0].acceptance) if c else (0, 0.0) for c in copies]
+        width = self.prices.width(offers) if self.prices is not None else 1
         copies = [(c[0].head(width - 1), c[1]) if c and width > 1 else None for c in copies]
         start = time.perf_counter()
         logits = self._batch.step([[d.context[-1], *(c[0].tokens if c else ())] for d, c in zip(decoders, copies)])
         rounds = [d.take(row, self._batch.last_seconds, c) for d, row, c in zip(decoders, logits, copies)]
         self._batch.keep([len(d.context) - 1 for d in decoders])
-        self.prices.record(len(jobs), width, time.perf_counter() - start)
+        if self.prices is not None:
+            self.prices.record(len(jobs), width, time.perf_counter() - start)
         for job, round_ in zip(jobs, rounds):
             self._emit(job, round_, batch_size=len(jobs))
 

@@ -27,7 +27,7 @@ from engine.core.budget import MemoryBudget, gigabytes
 from engine.core.drafters import Drafter
 from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
-from engine.core.pacing import Pacing, PassCosts
+from engine.core.pacing import BatchPrices, Pacing, PassCosts
 from engine.core.pool import Pools
 from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
@@ -71,6 +71,7 @@ class Engine:
         client_limits: ClientLimits = NO_LIMITS,
         shared_pool: bool = False,
         prompt_reader: str = "auto",
+        batch_speculation: bool = True,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -86,8 +87,9 @@ class Engine:
         pool for every client, instead of one each (:mod:`engine.core.pool`). ``prompt_reader``: how
         prompts are read (:data:`~engine.core.reader.READERS`: ``auto`` times the reader at start
         and uses it where it reads faster, in the fastest precision, and where the budget holds its
-        weights beside the full input cap; ``off``: the target's own passes). The two models must
-        share one vocabulary (``engine.prepare`` checks it)."""
+        weights beside the full input cap; ``off``: the target's own passes). ``batch_speculation``:
+        requests served together verify their copies in the batched pass (else plain batched
+        steps). The two models must share one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
@@ -154,6 +156,7 @@ class Engine:
             self.fence_ids,
             Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, shared_pool),
             self.reader,
+            BatchPrices(self.pacing.costs) if batch_speculation else None,
         )
 
     def _reader(self, choice: str) -> Reader | None:
