@@ -48,10 +48,6 @@ class Plan:
     alone: tuple[int, ...] = ()  # shared work where none batch: a round of each on its own caches
     side: tuple[int, ...] = ()  # side work, least served first: a slice of a prompt, or a lone round
 
-    @property
-    def empty(self) -> bool:
-        return self.first is None and not (self.together or self.alone or self.side)
-
 
 def plan(seats: Sequence[Seat], firsts_in_a_row: int, max_batch: int, fits: Callable[[Sequence[Seat]], bool]) -> Plan:
     """The next iteration. A first round due comes first, so a user has a token as soon as the

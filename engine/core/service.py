@@ -2,14 +2,14 @@
 
 Every piece of work runs on the single worker thread (:mod:`engine.core.scheduler`), so the KV
 caches are never touched by two requests at once; callers read their own request's events only
-(:mod:`engine.core.requests`). The worker serves up to ``max_batch`` requests together. Each
-iteration reads the prompts short enough for one pass and runs the first rounds due, one at a time
-on their requests' own caches; then the shared work: one batched target pass over the requests
-that generate together (:mod:`engine.core.batch`), where a pass costs little more than a single
-row's and speculation no longer pays (docs/design.md, "Batching"), or, where none batch, a round
-of each alone (speculative, on its own caches); then side work in one more client's share of the
-time: a slice of a long prompt, a round of a row too wide to batch. Further requests wait in the
-queue. Here the models are loaded, and a request is checked before it reaches the worker.
+(:mod:`engine.core.requests`). The worker serves up to ``max_batch`` requests together, each
+iteration planned before it runs (:mod:`engine.core.planning`): a first round due, on its
+request's own caches, or the shared work, one batched target pass over the requests that generate
+together (:mod:`engine.core.batch`), each row verifying its copied draft where the pass's width
+pays, or, where none batch, a round of each alone (speculative, on its own caches); then side
+work in one more client's share of the time: a slice of a long prompt, a round of a row too wide
+to batch (docs/design.md, "Batching"). Further requests wait in the queue. Here the models are
+loaded, and a request is checked before it reaches the worker.
 """
 
 from __future__ import annotations
