@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -129,6 +129,17 @@ def test_a_follow_up_turn_after_a_batched_answer_prefills_only_its_suffix(shared
     assert final.token_ids == alone(shared, follow)
 
 
+def chi_square(counts: Mapping[int, int], p: np.ndarray, n: int) -> float:
+    """The chi-square p-value of ``n`` drawn tokens' ``counts`` against the distribution ``p``,
+    the tokens expected fewer than 5 times pooled into one cell."""
+    frequent = [t for t in range(len(p)) if p[t] * n >= 5]
+    observed = [counts.get(t, 0) for t in frequent]
+    expected = [p[t] * n for t in frequent]
+    observed.append(n - sum(observed))
+    expected.append(n - sum(expected))
+    return float(scipy_stats.chisquare(observed, expected).pvalue)
+
+
 def test_sampling_in_a_batch_keeps_the_target_distribution(shared):
     """The first sampled token of many seeded requests, served four at a time and joining as
     others leave, against the target's own distribution at that position (chi-square)."""
@@ -153,14 +164,7 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(shared):
             counts[final.token_ids[0]] = counts.get(final.token_ids[0], 0) + 1
             batched += largest > 1
     assert batched >= n // 2
-    tokens = sorted(counts, key=lambda t: -p[t])
-    expected = np.array([p[t] * n for t in tokens])
-    frequent = expected >= 5  # pool the rare tokens into one cell
-    observed = [counts[t] for t, f in zip(tokens, frequent) if f]
-    expected_cells = list(expected[frequent])
-    observed.append(n - sum(observed))
-    expected_cells.append(n - sum(expected_cells))
-    assert scipy_stats.chisquare(observed, expected_cells).pvalue > 0.001
+    assert chi_square(counts, p, n) > 0.001
 
 
 def test_a_failed_batched_pass_fails_only_its_requests_and_the_next_is_served(shared, monkeypatch, caplog):
@@ -373,15 +377,8 @@ def test_a_copy_verified_in_a_batched_pass_keeps_the_target_distribution(ir_targ
         draft = Draft([copied], np.eye(len(p))[[copied]], 0.0)
         counts[decoder.take(logits[0], 0.0, (draft, copier)).tokens[0]] += 1
         batch.keep([len(prompt) - 1, len(other) - 1])
-    tokens = sorted(range(len(p)), key=lambda t: -p[t])
-    expected = np.array([p[t] * n for t in tokens])
-    frequent = expected >= 5  # pool the rare tokens into one cell
-    observed = [counts[t] for t, f in zip(tokens, frequent) if f]
-    cells = list(expected[frequent])
-    observed.append(n - sum(observed))
-    cells.append(n - sum(cells))
     assert counts[copied] > 0 and len(counts) > 1  # both the rule's ways were taken
-    assert scipy_stats.chisquare(observed, cells).pvalue > 0.001
+    assert chi_square(counts, p, n) > 0.001
 
 
 def test_rows_verify_their_copies_in_the_batched_pass_and_each_answer_equals_its_solo_run(shared, monkeypatch):

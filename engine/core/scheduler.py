@@ -39,8 +39,8 @@ from engine.core.turns import ClientLedger, FairQueue, TimeShare
 from engine.errors import EngineError
 
 T = TypeVar("T")
-# Requests served together; more wait in the queue. On this machine a batched step over 8 rows
-# costs 1.4x a single row's (docs/design.md, "Batching").
+# Requests served together; more wait in the queue. Where the weights' reading bounds a pass, a
+# batched step over 8 rows costs little more than a single row's (docs/design.md, "Batching").
 MAX_BATCH = 8
 # While others generate, a long prompt is read in passes of about this long, in its client's share
 # of the time (turns.TimeShare): no one's next token waits behind a two-second prefill chunk.
