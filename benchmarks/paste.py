@@ -26,17 +26,17 @@ from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table
 from engine.startup import add_engine_arguments
 
-GB = 1e9
+GIB = 2**30
 COLUMNS = [
     Column("prompt tokens", "prompt_tokens", "{:,}"),
     Column("mode", "mode"),
     Column("TTFT s", "ttft_s", "{:.1f}"),
     Column("wall s", "wall_s", "{:.1f}"),
     Column("read tokens/s", "prefill_tokens_per_s", "{:.0f}"),
-    Column("RSS before GB", "rss_before_gb", "{:.2f}"),
-    Column("peak GB", "peak_gb", "{:.2f}"),
-    Column("after GB", "rss_after_gb", "{:.2f}"),
-    Column("budget GB", "budget_gb", "{:.2f}"),
+    Column("RSS before GiB", "rss_before_gib", "{:.2f}"),
+    Column("peak GiB", "peak_gib", "{:.2f}"),
+    Column("after GiB", "rss_after_gib", "{:.2f}"),
+    Column("budget GiB", "budget_gib", "{:.2f}"),
 ]
 BESIDE_COLUMNS = [
     Column("other user's gap p95 alone ms", "other_p95_alone_ms", "{:.0f}"),
@@ -123,10 +123,10 @@ def paste(engine: Engine, words: int, mode: str, max_new_tokens: int) -> dict:
         "ttft_s": ttft,
         "wall_s": time.perf_counter() - start,
         "prefill_tokens_per_s": final.metrics.get("prefill_tokens_per_s"),
-        "rss_before_gb": before / GB,
-        "peak_gb": max(peak_resident_bytes(), before, after) / GB,  # (at least every reading taken)
-        "rss_after_gb": after / GB,
-        "budget_gb": engine.budget.limit / GB,
+        "rss_before_gib": before / GIB,
+        "peak_gib": max(peak_resident_bytes(), before, after) / GIB,  # (at least every reading taken)
+        "rss_after_gib": after / GIB,
+        "budget_gib": engine.budget.limit / GIB,
     }
 
 

@@ -595,16 +595,16 @@ def test_a_lookup_copy_is_cut_shorter_where_a_rejection_costs_a_long_trim():
 def test_a_priced_lookup_learns_how_often_its_copies_land():
     context = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4])
     lookup = LookupDrafter(16, min_match=4, span=5, price=AVX2.worth_copying)
-    first = lookup.free(context, 4, SamplingParams()).tokens
+    first = lookup.draft_free(context, 4, SamplingParams()).tokens
     assert lookup.acceptance == 0.75 and first == [5, 6, 7, 8, 9][: AVX2.worth_copying(5, 0.75)]
     for _ in range(20):
         lookup.observe(5, 5)
-    assert lookup.acceptance > 0.95 and lookup.free(context, 4, SamplingParams()).tokens == [5, 6, 7, 8, 9]
+    assert lookup.acceptance > 0.95 and lookup.draft_free(context, 4, SamplingParams()).tokens == [5, 6, 7, 8, 9]
     for _ in range(20):
         lookup.observe(5, 0)
-    assert lookup.acceptance < 0.5 and lookup.free(context, 4, SamplingParams()).tokens == []
+    assert lookup.acceptance < 0.5 and lookup.draft_free(context, 4, SamplingParams()).tokens == []
     dropped = 1
-    while not lookup.free(context, 4, SamplingParams()).tokens:  # dropped copies drift back to the prior
+    while not lookup.draft_free(context, 4, SamplingParams()).tokens:  # dropped copies drift back to the prior
         dropped += 1
     assert 2 <= dropped <= 30 and lookup.acceptance <= 0.75
 
@@ -648,7 +648,7 @@ def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, t
     cuts = []
     for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=40), Stats("t")):
         context += round_.tokens
-        view = drafter.view(context)
+        view = drafter.cut_view(context)
         assert len(view) <= SINK + 3 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
         assert drafter.runtime.tokens == view[: len(drafter.runtime.tokens)]  # what it caches is the view's prefix
         cuts.append(len(context) - len(view) + SINK)
@@ -703,7 +703,7 @@ def test_a_paced_round_runs_the_lookup_once_and_falls_to_the_model(pair, monkeyp
     monkeypatch.setattr(hybrid.lookup, "lookup", lambda context, k: calls.append(len(context)) or [7, 8])
     context, params = [1, 2, 3, 1, 2], SamplingParams()
     model.runtime.reset()
-    assert len(hybrid.free(context, 2, params).tokens) == priced
+    assert len(hybrid.draft_free(context, 2, params).tokens) == priced
     proposal = hybrid.propose(context, 2, params, np.random.default_rng(0), copies=False)
     assert proposal.tokens and list(model.runtime.tokens[:5]) == context and calls == [5]  # the model's
     hybrid.rollback(context)

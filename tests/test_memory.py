@@ -61,7 +61,7 @@ def test_budget_keeps_room_for_a_read():
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is read from Linux's /proc")
 def test_reading_a_prompt_peaks_at_its_kv_cache_plus_a_constant(long_engine):
     """A pass over the whole prompt would hold its attention scores (heads x length^2 floats:
-    about 0.5 GB here); passes of a chunk hold heads x chunk x length, and the reader's pass what
+    about 0.5 GiB here); passes of a chunk hold heads x chunk x length, and the reader's pass what
     the budget keeps aside for it."""
     long_engine.run(Request(prompt_ids=_prompt(64, 300, seed=1), mode="autoregressive", max_new_tokens=1))
     prompt = _prompt(6000, 300, seed=2)

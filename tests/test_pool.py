@@ -95,5 +95,5 @@ def test_an_answer_teaches_its_own_client_s_pool_and_no_one_else_s(engine):
 def test_a_sampled_pool_draft_carries_its_one_hot_distribution():
     pool = NgramPool(10, n=1)
     pool.learn([1, 2, 3])
-    draft = pool.free([5, 1], 2, SamplingParams(1.0))
+    draft = pool.draft_free([5, 1], 2, SamplingParams(1.0))
     assert draft.tokens == [2, 3] and draft.probs is not None and (draft.probs.argmax(axis=1) == [2, 3]).all()

@@ -67,7 +67,7 @@ def _has_avx512() -> bool:
 def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
     """Bit for bit on AVX-512 CPUs (both measured). On an AVX2-only CPU the plugin's int4 and int8
     matmuls round a one-row pass differently from a wider one, by up to 4e-5 in the logits
-    (2026-11-24, docs/benchmarks.md, "An AVX2 machine"): greedy speculative output can differ there
+    (docs/benchmarks.md, "An AVX2 machine"): greedy speculative output can differ there
     only where the target's top two logits are that close, and `best` runs plain steps there."""
     target = real_engine.target
     prompt = real_engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
@@ -114,7 +114,7 @@ def test_the_cold_cache_starts_with_one_token(real_engine):
 def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memory_budget(real_engine):
     """A paste at the input cap (about 24,000 tokens; minutes of prefill on 2 cores) is answered,
     and the process never holds more than its budget; after the answer, no more than the caches
-    it keeps plus 4 GB (docs/design.md, "Memory")."""
+    it keeps plus 4 GiB (docs/design.md, "Memory")."""
     from engine.core.memory import resident_bytes
 
     words = real_engine.max_input_tokens - 64  # "word " is one token; the chat template adds a few
@@ -123,7 +123,7 @@ def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memor
     event = real_engine.run(request)
     assert event.kind == "done", event.error
     peak = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
-    print(f"peak RSS {peak / 1e9:.1f} GB within a budget of {real_engine.budget.limit / 1e9:.1f} GB")
+    print(f"peak RSS {peak / 2**30:.1f} GiB within a budget of {real_engine.budget.limit / 2**30:.1f} GiB")
     assert peak <= real_engine.budget.limit
     held = real_engine.budget.bytes_held(real_engine.sessions.kv_cache_bytes)
     assert resident_bytes() <= held + 4 * 10**9

@@ -98,7 +98,7 @@ def test_a_long_trim_keeps_the_entries_it_keeps_at_the_engines_kv_precisions(ir_
     """A trim of more than MAX_MASKED entries sets the kept prefix back into the plugin. Into a
     u8 cache (the real draft's) the plugin read a view of the prefix as if it were contiguous:
     the kept entries came back scrambled, and the draft drafted from garbage after a new turn or
-    a window jump (found 2026-11-23). The next pass must compute what it computes after the kept
+    a window jump. The next pass must compute what it computes after the kept
     tokens alone (up to the rounding of a longer first pass)."""
     tokens = list(range(5, 5 + 40 + MAX_MASKED + 30))
     trimmed = Runtime(ir_draft, config=config, masked_rollback=masked)

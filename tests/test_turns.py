@@ -64,19 +64,19 @@ def test_side_work_gets_one_client_s_share_of_the_time_and_never_a_burst():
     """With three clients generating together and a long prompt to read, the reading gets a
     quarter of the time: a slice of 0.3 s after 0.9 s of the others' steps."""
     share = TimeShare(most_s=0.4)
-    share.shared(0.3, sharing=3)
+    share.earn(0.3, sharing=3)
     assert share.allows()
     share.spend(0.3)  # a slice overruns what was earned; the others' steps pay it back
     steps = 0
     while not share.allows():
-        share.shared(0.3, sharing=3)
+        share.earn(0.3, sharing=3)
         steps += 1
     assert steps == 3  # 0.9 s of shared work, then the next slice
     for _ in range(100):  # a long while with nothing on the side saves no more than one slice
-        share.shared(0.1, sharing=3)
+        share.earn(0.1, sharing=3)
     assert share.credit == pytest.approx(0.4)
     share.spend(1.0)
-    share.idle()  # nobody generating: side work owes nothing
+    share.settle()  # nobody generating: side work owes nothing
     assert not share.allows() and share.credit == 0.0
 
 

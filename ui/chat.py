@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
+from engine.core.metrics import FinishReason
 from engine.core.requests import EventKind
 from engine.interface import EngineClient
 from ui import streaming
 from ui.render import (
     CONTINUE,
+    Turn,
     cut,
     footer_line,
     header_html,
@@ -59,7 +61,7 @@ class ChatUpdate(NamedTuple):
 
     message: str | Skip = SKIP  # the message box
     chatbot: list[dict] | Skip = SKIP  # the chat as drawn
-    turns: list[dict] | Skip = SKIP  # the conversation as kept
+    turns: list[Turn] | Skip = SKIP  # the conversation as kept
     metrics_panel: str | Skip = SKIP  # the figures' cards
     metrics_json: dict | Skip = SKIP  # the figures
     tps_plot: pd.DataFrame | Skip | None = SKIP  # tokens/s while streaming
@@ -138,7 +140,7 @@ class Answers:
     def answer(
         self,
         request: gr.Request | None,
-        turns: list[dict],
+        turns: list[Turn],
         form: ChatForm,
         box: str | Skip,
         continuing: bool = False,
@@ -164,7 +166,7 @@ class ChatForm:
     """What every answering handler reads besides its own event: the turns, the colour checkbox,
     the sidebar's settings and the system prompt."""
 
-    turns: list[dict]
+    turns: list[Turn]
     colour: bool
     settings: Settings
     system: str
@@ -182,7 +184,7 @@ def form_of(values: tuple[Any, ...]) -> ChatForm:
 
 def respond(answers: Answers, form: ChatForm, message: str | None, request: gr.Request) -> Iterator[ChatUpdate]:
     """Send ``message``; stream the answer into the chat, the metrics panel and the plot."""
-    turns = [*form.turns, {"role": "user", "content": message or ""}]
+    turns = [*form.turns, Turn(role="user", content=message or "")]
     yield from answers.answer(request, turns, form, box="")
 
 
@@ -193,18 +195,18 @@ def retry(answers: Answers, form: ChatForm, request: gr.Request) -> Iterator[Cha
         gr.Warning("Nothing to retry yet: send a message first.")
         return
     last = users[-1]
-    turns = [*form.turns[:last], {"role": "user", "content": form.turns[last]["content"]}]
+    turns = [*form.turns[:last], Turn(role="user", content=form.turns[last]["content"])]
     yield from answers.answer(request, turns, form, box=SKIP)
 
 
 def edit(answers: Answers, form: ChatForm, edited: gr.EditData, request: gr.Request) -> Iterator[ChatUpdate]:
     """A user message edited in the chat: the conversation goes on from it, answered again."""
     at = turn_of(form.turns, edited.index)  # type: ignore[arg-type]  # one index: a message, not a cell
-    turns = [*form.turns[:at], {"role": "user", "content": str(edited.value)}]
+    turns = [*form.turns[:at], Turn(role="user", content=str(edited.value))]
     yield from answers.answer(request, turns, form, box=SKIP)
 
 
-def undo(turns: list[dict], colour: bool, undone: gr.UndoData) -> ChatUpdate:
+def undo(turns: list[Turn], colour: bool, undone: gr.UndoData) -> ChatUpdate:
     """The chat's undo: the last message and its answer go; the message returns to the box."""
     at = turn_of(turns, undone.index)  # type: ignore[arg-type]
     return ChatUpdate(message=turns[at]["content"], chatbot=render_chat(turns[:at], colour), turns=turns[:at])
@@ -229,7 +231,7 @@ def clipped(text: str, keep: int = 2000) -> str:
 
 def stream_answer(
     engine: EngineClient,
-    turns: list[dict],
+    turns: list[Turn],
     colour: bool,
     settings: Settings,
     system: str,
@@ -244,10 +246,10 @@ def stream_answer(
     (Gradio's cancel) ends it without drawing. Either closes the engine stream, which cancels the
     request within one round."""
     if continuing:
-        answer = {**turns[-1], "pieces": list(turns[-1]["pieces"]), "token_ids": list(turns[-1]["token_ids"])}
+        answer: Turn = {**turns[-1], "pieces": list(turns[-1]["pieces"]), "token_ids": list(turns[-1]["token_ids"])}
         turns = [*turns[:-1], answer]
     else:
-        answer = {"role": "assistant", "content": "", "pieces": [], "token_ids": []}
+        answer = Turn(role="assistant", content="", pieces=[], token_ids=[])
         turns = [*turns, answer]
     request = streaming.make_request(
         streaming.conversation(turns[:-1], system),
@@ -270,7 +272,7 @@ def stream_answer(
         for event in events.waiting(streaming.HEARTBEAT_S):
             if stop is not None and stop.is_set():
                 if answer.get("metrics"):
-                    answer["metrics"] = {**answer["metrics"], "finish_reason": "cancelled"}
+                    answer["metrics"] = {**answer["metrics"], "finish_reason": FinishReason.CANCELLED}
                     yield drawn(box, turns, answer, colour, "stopped", throughput.plot(final=True))
                 elif placeholder:  # (stopped while the message was read: it stays, unanswered)
                     yield ChatUpdate(
@@ -288,7 +290,7 @@ def stream_answer(
             if event.kind == EventKind.PROGRESS:
                 if time.monotonic() - drawn_at >= streaming.REDRAW_S:
                     drawn_at, placeholder = time.monotonic(), True
-                    reading = {**answer, "content": reading_line(event.metrics)}
+                    reading: Turn = {**answer, "content": reading_line(event.metrics)}
                     yield drawn(box, turns, reading, colour, "reading…", gr.skip(), event.metrics)
                 continue
             if event.kind == EventKind.ERROR:
@@ -313,8 +315,8 @@ def stream_answer(
 
 def drawn(
     box: str | Skip,
-    turns: list[dict],
-    answer: dict,
+    turns: list[Turn],
+    answer: Turn,
     colour: bool,
     status: str,
     plot: pd.DataFrame | Skip | None,
@@ -324,7 +326,8 @@ def drawn(
     default the answer's own)."""
     metrics = answer.get("metrics", {}) if metrics is None else metrics
     # A copy: Gradio keeps what is yielded by reference, and this answer grows on.
-    shown = [*turns[:-1], {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}]
+    copied: Turn = {**answer, "pieces": list(answer["pieces"]), "token_ids": list(answer["token_ids"])}
+    shown = [*turns[:-1], copied]
     return ChatUpdate(
         message=box,
         chatbot=render_chat(shown, colour),

@@ -22,7 +22,7 @@ from engine.interface import EngineClient
 from engine.render import transcript
 from ui import streaming
 from ui.chat import ChatTab
-from ui.render import cut, footer_line, header_html, last_metrics, metrics_html, render_chat
+from ui.render import Turn, cut, footer_line, header_html, last_metrics, metrics_html, render_chat
 from ui.sidebar import Sidebar
 from ui.streaming import SKIP, Skip
 
@@ -68,7 +68,7 @@ class Opened(NamedTuple):
 
     store: dict | Skip = SKIP
     conv_id: str | Skip = SKIP
-    turns: list[dict] | Skip = SKIP
+    turns: list[Turn] | Skip = SKIP
     chatbot: list[dict] | Skip = SKIP
     system: str | Skip = SKIP
     conversations: dict | Skip = SKIP  # the list's choices, the open one selected
@@ -99,13 +99,13 @@ def new_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def title_of(turns: list[dict]) -> str:
+def title_of(turns: list[Turn]) -> str:
     first = next((t["content"].strip() for t in turns if t["role"] == "user" and t["content"].strip()), "")
     line = first.splitlines()[0] if first else ""
     return (line[:TITLE_LENGTH] + "…" if len(line) > TITLE_LENGTH else line) or "New chat"
 
 
-def remember(store: dict, conv_id: str, turns: list[dict], system: str, title: str = "") -> dict:
+def remember(store: dict, conv_id: str, turns: list[Turn], system: str, title: str = "") -> dict:
     """``store`` with the conversation ``conv_id`` as it is now (the newest first; the oldest
     beyond :data:`MAX_CONVERSATIONS` dropped; its title kept once given). An empty new
     conversation is not kept."""
@@ -118,10 +118,14 @@ def remember(store: dict, conv_id: str, turns: list[dict], system: str, title: s
     return {"current": conv_id, "conversations": {c: kept[c] for c in newest}}
 
 
-def compact(turn: dict, last: bool) -> dict:
+def compact(turn: Turn, last: bool) -> Turn:
     """A turn as the browser keeps it (its storage holds a few MB): provenance as runs, not per
     token; token ids only where Continue may need them (a cut last answer)."""
-    kept = {k: v for k, v in turn.items() if k not in ("pieces", "token_ids")}
+    kept = Turn(role=turn["role"], content=turn["content"])
+    if "metrics" in turn:
+        kept["metrics"] = turn["metrics"]
+    if "failed" in turn:
+        kept["failed"] = turn["failed"]
     if turn.get("pieces"):
         kept["pieces"] = [["".join(t for t, _ in run), kind] for kind, run in groupby(turn["pieces"], itemgetter(1))]
     if last and cut(turn):
@@ -169,7 +173,7 @@ def conversation_list(store: dict, conv_id: str) -> dict:
     return gr.update(choices=choices, value=conv_id)
 
 
-def save(engine: EngineClient, store: dict, conv_id: str, turns: list[dict], system: str) -> Saved:
+def save(engine: EngineClient, store: dict, conv_id: str, turns: list[Turn], system: str) -> Saved:
     """After an answer (or an edit): keep the conversation in the browser; refresh the list and header."""
     store = remember(store, conv_id, turns, system)
     return Saved(store=store, conversations=conversation_list(store, conv_id), header=header_html(engine, turns))
@@ -215,7 +219,7 @@ def delete_chat(engine: EngineClient, store: dict, conv_id: str, colour: bool) -
     return show(engine, store, newest or new_id(), colour)
 
 
-def export_chat(turns: list[dict], system: str) -> dict[str, Any]:
+def export_chat(turns: list[Turn], system: str) -> dict[str, Any]:
     """The open conversation as a JSON file (everything, for import) and a Markdown file (to read)."""
     if not turns:
         gr.Warning("Nothing to export yet: send a message first.")
@@ -244,7 +248,7 @@ def import_chat(engine: EngineClient, store: dict, path: str, colour: bool) -> O
         gr.Warning(f"Could not import: {reason}")
         return Opened()
     conv_id = new_id()  # (figures recorded in the file are not shown: they describe another run)
-    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    turns = [Turn(role=m["role"], content=m["content"]) for m in messages]
     return show(engine, remember(store, conv_id, turns, system, title), conv_id, colour)
 
 

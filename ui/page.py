@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import gradio as gr
 
@@ -14,7 +15,7 @@ from engine.cli import ASSETS
 from engine.core.turns import NO_LIMITS, ClientLimits
 from engine.interface import EngineClient
 from ui import chat, compare, conversations, sidebar, streaming
-from ui.render import header_html, status_html
+from ui.render import Turn, header_html, status_html
 
 QUEUE_POLL_S = 0.02  # how often Gradio's idle queue looks for new events (its default: 1 ms); see quiet_queue
 PROGRESS_POLL_S = 0.1  # how often it looks for progress to send (its default: 10 ms)
@@ -65,7 +66,7 @@ def build_app(
         status_timer.tick(
             partial(refresh_status, engine),
             chat_tab.turns,
-            [status, status_timer, chat_tab.header],
+            [{"status": status, "timer": status_timer, "header": chat_tab.header}[f] for f in StatusUpdate._fields],
             **streaming.BOOKKEEPING,
         )
         conversations.wire(engine, demo, stores, chat_tab, side, chat_events)
@@ -76,17 +77,27 @@ def build_app(
     return demo
 
 
-def refresh_status(engine: EngineClient, turns: list[dict]) -> tuple[str, gr.Timer, str]:
+class StatusUpdate(NamedTuple):
+    """The banner, its timer and the chat's header, as :func:`refresh_status` updates them."""
+
+    status: str
+    timer: gr.Timer
+    header: str
+
+
+def refresh_status(engine: EngineClient, turns: list[Turn]) -> StatusUpdate:
     """The banner's next state and the header (the models' names, once known); the timer stops
     once the models serve."""
     state = engine.state
-    return status_html(state), gr.Timer(active=state.startswith("loading")), header_html(engine, turns)
+    return StatusUpdate(
+        status=status_html(state), timer=gr.Timer(active=state.startswith("loading")), header=header_html(engine, turns)
+    )
 
 
 def quiet_queue(demo: gr.Blocks) -> None:
     """Gradio's queue looks for new events every millisecond while it is idle and for progress
-    every 10 ms: 5% of a core with no one connected, taken from decoding on the same cores. At
-    QUEUE_POLL_S a new request waits up to 20 ms more to start; the lone user's answers ran 2–9%
-    faster (docs/benchmarks.md, "Gradio's idle queue")."""
+    every 10 ms, taking a share of a core from decoding with no one connected. At QUEUE_POLL_S a
+    new request waits a little longer to start, and answers run faster (docs/benchmarks.md,
+    "Gradio's idle queue")."""
     demo._queue.sleep_when_free = QUEUE_POLL_S
     demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_S

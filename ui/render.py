@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import html
 from functools import lru_cache
-from typing import Any
+from typing import Any, Required, TypedDict
 
+from engine.core.metrics import FinishReason
 from engine.interface import EngineClient
 from engine.render import markdown
 
@@ -17,17 +18,28 @@ LEGEND = {
     "bonus": "target bonus token",
     "autoregressive": "target, one pass per token",
 }
-CUT = ("length", "cancelled")  # finish reasons of an answer Continue can extend
+CUT = (FinishReason.LENGTH, FinishReason.CANCELLED)  # finish reasons of an answer Continue can extend
 CONTINUE = "continue"  # the option a cut answer's footer offers
 
 
-def cut(turn: dict) -> bool:
+class Turn(TypedDict, total=False):
+    """One message of a conversation as the page keeps it (in the browser, and exported as JSON)."""
+
+    role: Required[str]  # "user" or "assistant"
+    content: Required[str]  # the text (an answer's so far, while it streams)
+    pieces: list[list[str]]  # an answer's text in runs, each with its provenance: [text, kind]
+    token_ids: list[int]  # an answer's tokens as generated (Continue extends them, not the text)
+    metrics: dict[str, Any]  # an answer's figures (the engine's metrics)
+    failed: bool  # the answer is an error message
+
+
+def cut(turn: Turn) -> bool:
     """An answer the cap (or a Stop) cut short, which Continue can extend from where it stopped."""
     m = turn.get("metrics") or {}
     return not turn.get("failed") and bool(turn.get("token_ids")) and m.get("finish_reason") in CUT
 
 
-def render_answer(turn: dict, colour: bool) -> str:
+def render_answer(turn: Turn, colour: bool) -> str:
     """An answer as the chat draws it: Markdown (Gradio renders it and highlights its code), or
     with ``colour`` our own rendering with each token's provenance drawn on it."""
     if turn.get("failed"):
@@ -76,7 +88,7 @@ def footer_details(m: dict) -> str:
     return "\n".join(["| | |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows)])
 
 
-def footer_message(turn: dict, last: bool) -> dict | None:
+def footer_message(turn: Turn, last: bool) -> dict | None:
     """The finished answer's footer: Gradio's collapsible "thought" line under it, holding the
     figures; an answer cut short offers Continue as the footer's option. (None while streaming:
     a footer redrawn at every round costs the browser, and so the engine, more than the rest.)"""
@@ -93,7 +105,7 @@ def footer_message(turn: dict, last: bool) -> dict | None:
     return footer
 
 
-def drawn(turns: list[dict], colour: bool) -> list[tuple[int, dict]]:
+def drawn(turns: list[Turn], colour: bool) -> list[tuple[int, dict]]:
     """The chatbot's messages, each with the turn it draws (footers draw their answer's turn);
     an empty user message is not drawn, only the error it caused."""
     messages: list[tuple[int, dict]] = []
@@ -108,11 +120,11 @@ def drawn(turns: list[dict], colour: bool) -> list[tuple[int, dict]]:
     return messages
 
 
-def render_chat(turns: list[dict], colour: bool) -> list[dict]:
+def render_chat(turns: list[Turn], colour: bool) -> list[dict]:
     return [message for _, message in drawn(turns, colour)]
 
 
-def turn_of(turns: list[dict], index: int) -> int:
+def turn_of(turns: list[Turn], index: int) -> int:
     """The turn a chatbot message (by its index, as Gradio's events give it) draws."""
     return drawn(turns, colour=False)[index][0]
 
@@ -122,12 +134,12 @@ def legend_html() -> str:
     return f'<div class="legend">{items}</div>'
 
 
-def last_metrics(turns: list[dict]) -> dict:
+def last_metrics(turns: list[Turn]) -> dict:
     """The figures of the conversation's last answer (empty before the first)."""
     return next((t["metrics"] for t in reversed(turns) if t.get("metrics")), {})
 
 
-def header_html(engine: EngineClient, turns: list[dict]) -> str:
+def header_html(engine: EngineClient, turns: list[Turn]) -> str:
     """The models in use and how much of the context the conversation fills."""
     models = engine.models
     if not models:

@@ -9,7 +9,7 @@ from typing import Any
 import gradio as gr
 
 from engine.core.modes import MODES
-from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TEMPERATURE
 from engine.interface import EngineClient
 from ui import streaming
 from ui.render import metrics_html
@@ -98,7 +98,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
             )
             k = gr.Slider(1, 8, value=DEFAULT_K, step=1, label="Draft length K")
             temperature = gr.Slider(
-                0.0, 2.0, value=DEFAULT_TEMPERATURE, step=0.05, label="Temperature", info="0 = greedy"
+                0.0, MAX_TEMPERATURE, value=DEFAULT_TEMPERATURE, step=0.05, label="Temperature", info="0 = greedy"
             )
             top_p = gr.Slider(0.05, 1.0, value=DEFAULT_TOP_P, step=0.05, label="Top-p")
             max_new_tokens = gr.Slider(

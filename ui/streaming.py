@@ -16,11 +16,11 @@ import pandas as pd
 from engine.core.chat import Message
 from engine.core.requests import Request
 from engine.core.turns import PAGE, USER
+from ui.render import Turn
 
 # A streaming answer is redrawn at most this often (rounds in between are drawn together), its
 # live plot less often still: a browser re-renders the whole answer at every redraw, and on the
-# same CPU that is time taken from decoding (a 256-token answer in Chromium on this 2-core
-# machine: 11.8 tokens/s when every round was drawn, 15.3 so; docs/benchmarks.md, "The chat in a browser").
+# same CPU that is time taken from decoding (docs/benchmarks.md, "The chat in a browser").
 REDRAW_S = 0.3
 PLOT_EVERY_S = 1.0
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
@@ -119,7 +119,7 @@ def form_int(value: float) -> int:
     return int(value) if _finite(value) and value == int(value) else cast(int, value)
 
 
-def conversation(turns: list[dict], system: str = "") -> list[Message]:
+def conversation(turns: list[Turn], system: str = "") -> list[Message]:
     """What the model sees: the system prompt (if any), then the plain text of every turn that
     did not fail."""
     said: list[Message] = [{"role": t["role"], "content": t["content"]} for t in turns if not t.get("failed")]

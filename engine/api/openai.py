@@ -26,13 +26,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.chat import Message as ChatMessage
+from engine.core.metrics import FinishReason
 from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Event, EventKind, Stream
 from engine.core.requests import Request as EngineRequest
 from engine.core.turns import ADDRESS, KEY
 from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
-FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+# OpenAI names two ends: "length" (any limit) and "stop" (every other end).
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.CONTEXT: "length"}
 
 
 class Message(BaseModel):

@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine.cluster import APP_NAME, ENGINE, REPLICA_LOST
 from engine.cluster.router import AFFINITY
+from engine.core.metrics import FinishReason
 from engine.core.requests import STEP_TIMEOUT, Event, EventKind, Request, Stream
 from engine.errors import EngineError
 
@@ -93,7 +94,7 @@ class RemoteStream(Stream):
         delivered = False
         for attempt in range(1, ATTEMPTS + 1):
             if self._cancel.is_set():
-                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": "cancelled"}))
+                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": FinishReason.CANCELLED}))
                 return
             responses = self._replicas.generate.remote(self._request, **{AFFINITY: self._affinity})
             self._responses = cast(DeploymentResponseGenerator, responses)
@@ -115,7 +116,7 @@ class RemoteStream(Stream):
                 self._end(Event(EventKind.ERROR, error="the replica ended the answer early", metrics=self._last))
                 return
             except RequestCancelledError:
-                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": "cancelled"}))
+                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": FinishReason.CANCELLED}))
                 return
             except GONE as exc:
                 log.warning(f"the replica serving a request stopped (attempt {attempt} of {ATTEMPTS}): {exc}")

@@ -10,8 +10,9 @@ contiguous and ending at the last slot before each pass: rows are left-padded wi
 a row fed fewer tokens than the widest is padded after them (no token of its own attends to
 those), and after the pass each row is cut back to what it keeps (:meth:`Batch.keep`); a joining
 row is written in by rebuilding the states (its own cache's entries, copied: O(rows x slots); its
-own copy is then freed), and a leaving row is dropped by the next pass's ``beam_idx`` (free)
-after its entries are copied back to its own cache.
+own copy is then freed), and a leaving row is dropped by the next pass's ``beam_idx`` after its
+entries are copied back to its own cache (free, unless the rows left are so much shorter that
+their leading slots are cut away: :meth:`Batch._cut`).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Batch:
 
     def _in_order(self, states: np.ndarray) -> np.ndarray:
         """The rows' entries in ``states`` (a state as read), in row order: as read where no row
-        has left since the last pass, a copy otherwise (75 ms of a 7-row batch's rebuild)."""
+        has left since the last pass, a copy otherwise (a share of a rebuild: docs/design.md, "Batching")."""
         return states if self._physical == list(range(len(states))) else states[self._physical]
 
     def step(self, feeds: Sequence[Sequence[int]]) -> list[np.ndarray]:

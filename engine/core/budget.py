@@ -58,8 +58,8 @@ def machine_memory() -> int:
     return total
 
 
-def gigabytes(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -106,15 +106,15 @@ class MemoryBudget:
         even with nothing else cached."""
         if tokens > self.tokens:
             raise EngineError(
-                f"{what} needs room for {tokens:,} tokens of KV cache (about {gigabytes(self.bytes_for(tokens))}); "
-                f"this server's memory limit of {gigabytes(self.limit)} leaves room for {self.tokens:,} "
-                f"beside its models ({gigabytes(self.base)}). Shorten the conversation or ask for a shorter answer."
+                f"{what} needs room for {tokens:,} tokens of KV cache (about {gib(self.bytes_for(tokens))}); "
+                f"this server's memory limit of {gib(self.limit)} leaves room for {self.tokens:,} "
+                f"beside its models ({gib(self.base)}). Shorten the conversation or ask for a shorter answer."
             )
 
     def describe(self) -> str:
-        reading = f", {gigabytes(self._free - self.room)} for reading prompts" if self.reading_per_token else ""
+        reading = f", {gib(self._free - self.room)} for reading prompts" if self.reading_per_token else ""
         return (
-            f"memory budget {gigabytes(self.limit)}: models and runtime {gigabytes(self.base)}, "
-            f"{gigabytes(self.room)} for KV caches ({self.tokens:,} tokens at {self.per_token / 1e3:.0f} KB each)"
+            f"memory budget {gib(self.limit)}: models and runtime {gib(self.base)}, "
+            f"{gib(self.room)} for KV caches ({self.tokens:,} tokens at {self.per_token / 1e3:.0f} KB each)"
             f"{reading}"
         )

@@ -18,10 +18,11 @@ from enum import StrEnum
 import numpy as np
 
 from engine.core.drafters import CopyDrafter, Draft, Drafter
-from engine.core.metrics import Stats
+from engine.core.metrics import FinishReason, Stats
 from engine.core.pacing import Choice, Pacer, Pacing, RoundKind, TextKind
 from engine.core.reader import Reader, read_pass
 from engine.core.reading import ReadPath, read_plan, resume_at, steps_only
+from engine.core.requests import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS
 from engine.core.runtime import Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs, next_token
 from engine.core.speculative import accept_draft, accept_greedy
@@ -43,8 +44,8 @@ class Provenance(StrEnum):
 @dataclass(frozen=True)
 class DecodeConfig:
     speculative: bool = True
-    k: int = 4
-    max_new_tokens: int = 256
+    k: int = DEFAULT_K
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
@@ -165,7 +166,9 @@ class Decoder:
         """Mark the request :attr:`done` where not even one more token fits (its budget or the
         context), with the reason."""
         if self.room() < 0:
-            self.stats.finish_reason = "length" if self.stats.new_tokens >= self.config.max_new_tokens else "context"
+            self.stats.finish_reason = (
+                FinishReason.LENGTH if self.stats.new_tokens >= self.config.max_new_tokens else FinishReason.CONTEXT
+            )
             self.done = True
 
     def _choice(self, limit: int) -> Choice:
@@ -201,7 +204,7 @@ class Decoder:
         for copier in (self.drafter, self.config.pool):
             if (
                 copier is not None
-                and (draft := copier.free(self.context, k, self.config.sampling, bar).head(limit)).tokens
+                and (draft := copier.draft_free(self.context, k, self.config.sampling, bar).head(limit)).tokens
             ):
                 return draft, copier
         return None
@@ -302,7 +305,7 @@ class Decoder:
         stop_at = next((i for i, t in enumerate(round_.tokens) if t in self.config.stop_ids), None)
         if stop_at is not None:
             round_ = Round(round_.tokens[:stop_at], round_.provenance[:stop_at])
-            self.stats.finish_reason = "stop"
+            self.stats.finish_reason = FinishReason.STOP
             self.done = True
         self.context += round_.tokens
         self.stats.prompt_read = self.stats.prompt_tokens
@@ -323,12 +326,12 @@ def decode(
     on the request's own caches."""
     decoder = Decoder(target, drafter, prompt, config, stats)
     if not _until_cancelled(decoder.prefill(), config):
-        stats.finish_reason = "cancelled"
+        stats.finish_reason = FinishReason.CANCELLED
         return
     decoder.finish_if_full()
     while not decoder.done:
         if not _until_cancelled(decoder.catch_up(), config):
-            stats.finish_reason = "cancelled"
+            stats.finish_reason = FinishReason.CANCELLED
             return
         yield decoder.round()
 

@@ -46,10 +46,10 @@ class Drafter(Protocol):
     ) -> Draft:
         """Propose tokens to follow ``context``: ``k`` is the round's draft length (a drafter
         whose proposals cost nothing may propose more). ``copies``: False where the caller has
-        already been offered this round's copies (:meth:`free`) and turned them down or found
+        already been offered this round's copies (:meth:`draft_free`) and turned them down or found
         none: only what a model drafts (nothing, for a drafter that only copies)."""
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
+    def draft_free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         """What this drafter proposes without running a model (prompt lookup), where that promises
         more tokens per plain step's time than ``bar``; empty where it has nothing such."""
 
@@ -122,7 +122,7 @@ class ModelDrafter:
     differs, the guess is rolled back like any rejected token (by masking, for free).
 
     With a ``window``, the draft model sees a long conversation's first :data:`SINK` tokens and
-    its last ``window`` to ``3 * window`` tokens only (:meth:`view`): what it drafts depends on
+    its last ``window`` to ``3 * window`` tokens only (:meth:`cut_view`): what it drafts depends on
     recent text, and a 3,000-token conversation would otherwise cost it a 3,000-token prefill
     before its first draft and slower steps after (docs/design.md, "Long conversations").
     """
@@ -146,7 +146,7 @@ class ModelDrafter:
         self._cut = 0  # where the view's tail starts in the context
         self._step: float | None = None  # seconds of a pass that reads nothing it missed (a running mean)
 
-    def view(self, context: Sequence[int]) -> list[int]:
+    def cut_view(self, context: Sequence[int]) -> list[int]:
         """What the draft model is shown of ``context``: all of it up to ``SINK + 2 * window``
         tokens; past that, its first SINK tokens (the chat template's header) and a tail from a
         cut. A cut is made where the tail is ``window`` tokens (the draft's catch-up reads that
@@ -169,7 +169,7 @@ class ModelDrafter:
         tokens: list[int] = []
         rows = []
         done = False
-        context = self.view(context)
+        context = self.cut_view(context)
         read, read_seconds = self._missed(context), 0.0
         while not done and len(tokens) < budget:
             sequence = [*context, *tokens]
@@ -223,14 +223,14 @@ class ModelDrafter:
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
+    def draft_free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         return Draft([], None, 0.0)
 
     def catch_up(self, context: Sequence[int], chunk: int) -> Iterator[int]:
-        return self.runtime.feed(self.view(context), chunk)
+        return self.runtime.feed(self.cut_view(context), chunk)
 
     def behind(self, context: Sequence[int]) -> int:
-        return self._missed(self.view(context))
+        return self._missed(self.cut_view(context))
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.adaptive and drafted:
@@ -238,7 +238,7 @@ class ModelDrafter:
             self.k = current + 2 if accepted == drafted else max(1, current - 1)
 
     def rollback(self, accepted: Sequence[int]) -> None:
-        self.runtime.trim(common_prefix(self.runtime.tokens, self.view(accepted)))
+        self.runtime.trim(common_prefix(self.runtime.tokens, self.cut_view(accepted)))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -283,9 +283,9 @@ class CopyDrafter:
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
     ) -> Draft:
-        return self.free(context, k, params) if copies else Draft([], None, 0.0)
+        return self.draft_free(context, k, params) if copies else Draft([], None, 0.0)
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
+    def draft_free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         start = time.perf_counter()
         tokens = self.lookup(np.asarray(context), self.span or k)
         if self.price is not None and tokens:
@@ -374,15 +374,15 @@ class HybridDrafter:
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator, copies: bool = True
     ) -> Draft:
-        # A paced round is offered free() first and proposes without copies after it: the copy
+        # A paced round is offered draft_free() first and proposes without copies after it: the copy
         # found nothing or the pacer refused it (copies slower than this text's pace).
-        draft = self.free(context, k, params) if copies else Draft([], None, 0.0)
+        draft = self.draft_free(context, k, params) if copies else Draft([], None, 0.0)
         self._model_proposed = not draft.tokens
         return self.model.propose(context, k, params, rng) if self._model_proposed else draft
 
-    def free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
+    def draft_free(self, context: Sequence[int], k: int, params: SamplingParams, bar: float = 1.0) -> Draft:
         self._model_proposed = False
-        return self.lookup.free(context, k, params, bar)
+        return self.lookup.draft_free(context, k, params, bar)
 
     def observe(self, drafted: int, accepted: int) -> None:
         (self.model if self._model_proposed else self.lookup).observe(drafted, accepted)

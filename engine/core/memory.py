@@ -3,8 +3,8 @@
 Reading and setting KV-cache states copies them through numpy buffers of a few MB each (a trim,
 a batch's rebuild, a row copied back). glibc raises its mmap threshold to the size of the
 largest block freed, up to 32 MB, so after the first such copies they come from the heap, whose
-freed holes are rarely returned: on this machine eight 5-turn conversations at once left the
-process 4 GiB above its models' size, 0.9 GiB of it in freed heap (docs/design.md, "Batching").
+freed holes are rarely returned: many conversations at once left the process gigabytes above
+its models' size, much of it freed heap (docs/design.md, "Batching").
 A fixed threshold keeps those buffers in their own mappings, returned when freed.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 def expected_speedup(alpha: float, gamma: float, c: float) -> float:
@@ -12,6 +13,17 @@ def expected_speedup(alpha: float, gamma: float, c: float) -> float:
         return 1.0
     mean_tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return mean_tokens / (gamma * c + 1)
+
+
+class FinishReason(StrEnum):
+    """Why an answer ended (a string on the wire: the metrics' ``finish_reason``)."""
+
+    NONE = ""  # not ended yet
+    STOP = "stop"  # the model ended its turn, or a stop string came
+    LENGTH = "length"  # the answer's token limit
+    CONTEXT = "context"  # the model's context is full
+    CANCELLED = "cancelled"  # Stop, a closed tab, or a dropped request
+    ERROR = "error"
 
 
 @dataclass
@@ -39,7 +51,7 @@ class Stats:
     draft_seconds: float = 0.0
     target_kv_bytes: int = 0
     draft_kv_bytes: int = 0
-    finish_reason: str = ""
+    finish_reason: FinishReason = FinishReason.NONE
     batch_size: int = 1  # requests in the last round's target pass
     sharing: int = 1  # requests the engine served at the last round (this one included)
     peak_sharing: int = 1  # the most it served at any round of this request

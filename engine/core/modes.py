@@ -23,10 +23,10 @@ BEST_K = 4
 # hybrid: prompt lookup only where at least this many tokens match, else the draft model.
 HYBRID_MIN_MATCH = 4
 # The draft model sees a long conversation's first tokens and its last DRAFT_WINDOW to
-# 2 * DRAFT_WINDOW tokens (ModelDrafter.view): a bounded prefill and bounded steps at any length.
+# 3 * DRAFT_WINDOW tokens (ModelDrafter.cut_view): a bounded prefill and bounded steps at any length.
 DRAFT_WINDOW = 256
 # Prompt lookup copies up to this many tokens per round, whatever the draft model's K: a copied
-# run costs only verify rows (a 17-token verify ~2x a one-token step; docs/benchmarks.md).
+# run costs only verify rows (docs/benchmarks.md, "What a pass costs as the context grows").
 LOOKUP_SPAN = 16
 # Pass widths the engine times at start besides 2 and K + 1, to price lookup copies up to LOOKUP_SPAN
 # (PassCosts.worth_copying; between them a pass's cost is interpolated, nearly linear past 2).

@@ -4,7 +4,7 @@ each kind of round has gained, measured while it runs.
 :class:`PassCosts` times the target's passes and the draft's step at start. From them comes the
 one decision made before anything runs: where even a round whose drafts all land could not beat
 plain steps by :data:`TRY_MARGIN` against the draft's best agreement (:data:`CEILING`; an AVX2 CPU,
-where a verify pass costs 2.5 plain steps), the draft model is never run; and the price of a prompt
+where a verify pass costs several plain steps), the draft model is never run; and the price of a prompt
 lookup copy (:meth:`PassCosts.worth_copying`). Everything else is measured while requests run:
 each :class:`Pacer` compares the seconds per new token of the rounds it ran with the draft model
 and of its plain steps, runs the cheaper kind and probes the other now and then. Start-up timings
@@ -27,8 +27,7 @@ from engine.core.runtime import Runtime
 
 # What a speculative round must promise over plain steps before a request tries one: its passes
 # leave out the draft's catch-up over the conversation, the first pass of each new shape and the
-# trims after rejections, which a first try pays too (0.5-1.0 s per answer on an AVX2 CPU where a
-# round promised 9% at most; docs/benchmarks.md, "An AVX2 machine").
+# trims after rejections, which a first try pays too (docs/benchmarks.md, "An AVX2 machine").
 TRY_MARGIN = 1.1
 # The widths a batched pass may take (its rows' copies cut to fit): a few, each measured as it runs.
 BATCH_WIDTHS = (1, 2, 3, 5, 9, 17)
@@ -70,9 +69,8 @@ def break_even_acceptance(ratio: float, k: int, rejection: float = 0.0) -> float
 class PassCosts:
     """Seconds of a plain target step, of target passes over a few widths (``verify``: width,
     seconds) and of a draft step, timed on this machine at start. What a speculative round costs
-    against a plain step differs from CPU to CPU far more than the draft's agreement does: a
-    5-token verify pass cost 1.4 plain steps on an AVX-512 machine, 2.5 on an AVX2 one
-    (docs/benchmarks.md, "An AVX2 machine"), where drafts must land nine times in ten to pay."""
+    against a plain step differs from CPU to CPU far more than the draft's agreement does
+    (docs/benchmarks.md, "An AVX2 machine": there drafts must land nine times in ten to pay)."""
 
     step: float
     verify: tuple[tuple[int, float], ...]
@@ -112,7 +110,7 @@ class PassCosts:
         def at_context(runtime: Runtime, context: int) -> tuple[float, float]:
             """What a trim after ``context`` tokens (states set directly: no prefill) adds to the
             next step, the trim included, and what a pass over K + 1 tokens costs there, both in
-            plain steps at that context (timed once: at 8,000 tokens a try costs a second on AVX2)."""
+            plain steps at that context (timed once: a try at a long context is slow)."""
             runtime.fill(context)
             runtime.forward([0])  # the plugin regrows its buffers after the states were set
             plain = timed(runtime, 1)
@@ -184,10 +182,9 @@ class PassCosts:
         promises the most tokens per plain step's time, if that is at least :data:`TRY_MARGIN`
         times ``bar`` (what the round would gain otherwise: 1 for a plain step); else 0. A round
         costs its verify pass and, where a token is rejected, the rollback of the target's cache
-        (on an AVX2 CPU 0.4 plain steps at 1,000 tokens, 2 at 4,000, 7 at 8,000).
-        Where the verify pass grows fast with its width (AVX2: 17 tokens cost 5.4 steps) a long
-        copy pays only where copies land, and where it does not (AVX-512: 2 steps) the whole copy
-        is taken."""
+        (growing with the context: docs/benchmarks.md, "What a pass costs as the context grows").
+        Where the verify pass grows fast with its width (AVX2) a long copy pays only where copies
+        land, and where it does not (AVX-512) the whole copy is taken."""
         trim = self.rejection_cost(context)
         best, promised = 0, TRY_MARGIN * bar
         for n in range(1, offered + 1):
@@ -238,8 +235,8 @@ class Choice:
 
 
 # The most acceptance a round may need before the draft model is never run: the draft's agreement
-# with the target on code, teacher-forced on held-out answers (docs/benchmarks.md, "A layer-pruned
-# draft"). Above it every try measured lost time (an AVX2 CPU; docs/benchmarks.md, "An AVX2 machine").
+# with the target on code, teacher-forced on held-out answers (docs/benchmarks.md, "Tried and
+# dropped"). Above it every try measured lost time (docs/benchmarks.md, "An AVX2 machine").
 CEILING = 0.9
 
 
@@ -371,7 +368,7 @@ class Pacer:
         yet; else one offer in :attr:`MIN_INTERVAL` (counted here), to measure them again. Their
         price comes from start-up timings of passes of one width each; what they really cost here
         (the widths changing from round to round, the draft catching up after them) only rounds
-        measure (docs/design.md, "Lookup copies at their price")."""
+        measure (docs/design.md, "Speculating only while it pays")."""
         known = [self.figures[kind].cost for kind in (DRAFT, PLAIN) if kind in self.figures]
         if COPY not in self.figures or not known or self.figures[COPY].cost <= min(known):
             return True

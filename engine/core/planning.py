@@ -3,7 +3,7 @@
 names one first round, or the shared work (one batched pass, or a round of each request alone)
 and the side work that may follow it in its clients' share of the time. A function of the
 snapshot alone, so tests check the scheduler's choices without a model; the scheduler runs the
-plan (:meth:`engine.core.scheduler.Scheduler._execute`) and applies each round to its request.
+plan (:meth:`engine.core.scheduler.Scheduler._iterate`) and applies each round to its request.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ DEFAULT_MODE = "best"
 DEFAULT_K = 4  # the draft length of a mode that takes one (best has its own)
 DEFAULT_TEMPERATURE = 0.0  # greedy
 DEFAULT_TOP_P = 1.0
+DEFAULT_MAX_NEW_TOKENS = 256  # a Request built in code (the API and the page: until the context is full)
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_K = 16
@@ -43,7 +44,7 @@ class Request:
     answer_ids: tuple[int, ...] = ()
     mode: str = DEFAULT_MODE
     k: int = DEFAULT_K
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     top_k: int = 0
@@ -60,11 +61,11 @@ class Request:
             raise EngineError(f"unknown mode '{self.mode}': choose one of {', '.join(modes)}")
         _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _in_range("top_k", self.top_k, 0, max_context, whole=True)
-        _in_range("k", self.k, 1, MAX_K, whole=True)
-        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, whole=True)
+        _in_range("top_k", self.top_k, 0, max_context, integer=True)
+        _in_range("k", self.k, 1, MAX_K, integer=True)
+        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, integer=True)
         if self.seed is not None:
-            _in_range("seed", self.seed, 0, 2**63 - 1, whole=True)
+            _in_range("seed", self.seed, 0, 2**63 - 1, integer=True)
         if len(self.stop_strings) > MAX_STOP_STRINGS or not all(
             isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in self.stop_strings
         ):
@@ -78,15 +79,15 @@ class Request:
         return min(len(prompt) + self.max_new_tokens, max_context)
 
 
-def _in_range(name: str, value: object, low: float, high: float, whole: bool = False, low_open: bool = False) -> None:
-    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``); a whole
-    number must be an int (a float would reach numpy and the sampler as a float)."""
-    number = int if whole else int | float
+def _in_range(name: str, value: object, low: float, high: float, integer: bool = False, low_open: bool = False) -> None:
+    """A number from ``low`` to ``high`` (``low`` itself excluded when ``low_open``); with
+    ``integer`` it must be an int (a float would reach numpy and the sampler as a float)."""
+    number = int if integer else int | float
     if isinstance(value, number) and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value)):
         above = value > low if low_open else value >= low
         if above and value <= high:
             return
-    kind = "a whole number" if whole else "a number"
+    kind = "a whole number" if integer else "a number"
     raise EngineError(
         f"{name} must be {kind} from {low:g} to {high:g}{' (not 0)' if low_open else ''}; got {value!r:.40}"
     )

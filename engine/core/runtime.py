@@ -53,7 +53,7 @@ def _head_dim(cfg: dict) -> int:
 
 def state_tensor(entries: np.ndarray) -> ov.Tensor:
     """``entries`` as a tensor a state can be set to, without a copy of our own: the plugin copies
-    what a state is set to (a 7-row batch's rebuild took 23 ms less of its 265)."""
+    what a state is set to (a batch's rebuild: docs/design.md, "Batching")."""
     return ov.Tensor(np.ascontiguousarray(entries), shared_memory=True)
 
 

@@ -43,8 +43,8 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams, out: np.ndarray 
         np.put_along_axis(probs, np.argmax(logits, -1)[..., None], 1.0, axis=-1)
         return probs
     # In place on one copy: a row of a 152k vocabulary is 1.2 MB in float64, and every temporary
-    # of that size is mapped and faulted in afresh (engine.core.memory), 0.3-0.6 ms each: a
-    # sampled row cost 3.5 ms, a quarter of an 8-row batched step beside it.
+    # of that size is mapped and faulted in afresh (engine.core.memory), a cost a batched step
+    # pays per sampled row (docs/benchmarks.md, "Top-p").
     if out is None:
         z = np.array(logits, dtype=np.float64)
     else:
@@ -78,9 +78,8 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     """The ids of the smallest set of most likely tokens in a row whose mass reaches ``top_p``
     (a token is kept while the mass of those before it is below ``top_p``). Only the tokens
     above :data:`NUCLEUS_FLOOR` of the likeliest one's probability are sorted where they hold
-    that mass (every token left out then has at least as much before it): a sampled token of
-    the default target at temperature 0.7 and top-p 0.9 cost 0.56 ms against 11.8 ms with the
-    whole 152k vocabulary sorted (AVX-512 AMD VM)."""
+    that mass (every token left out then has at least as much before it): a fraction of the
+    cost of sorting a 152k vocabulary (docs/benchmarks.md, "Top-p")."""
     for floor in (NUCLEUS_FLOOR, 0.0):
         ids = np.flatnonzero(probs >= floor * probs.max()) if floor else np.arange(len(probs))
         order = ids[np.argsort(-probs[ids], kind="stable")]  # (ties: the lower id first)
@@ -95,7 +94,7 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a probability row: the block of :data:`BLOCK` ids the draw falls
     in, by the blocks' sums, then the id within it, by the draw's place in that block. The same
     distribution as a search of the whole row's running sum, without building it (1.2 MB for a
-    152k vocabulary, 0.5 ms); a token of probability 0 is never drawn."""
+    152k vocabulary); a token of probability 0 is never drawn."""
     sums = np.add.reduceat(probs, np.arange(0, len(probs), BLOCK))
     cdf = np.cumsum(sums)
     draw = rng.random() * cdf[-1]
@@ -108,8 +107,8 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from one row of logits: the argmax when greedy (no distribution is built). The
     distribution is built in a buffer the thread keeps: a new one is 1.2 MB, mapped and faulted in
-    afresh under the engine's allocator settings (engine.core.memory), which made a sampled token
-    cost 0.87 ms against 0.36 ms (a 152k vocabulary, AVX-512 AMD VM)."""
+    afresh under the engine's allocator settings (engine.core.memory), which more than doubled a
+    sampled token's cost (docs/benchmarks.md, "Top-p")."""
     if params.greedy:
         return int(np.argmax(logits))
     return sample(logits_to_probs(logits, params, out=_scratch(np.shape(logits))), rng)

@@ -25,7 +25,7 @@ from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget
 from engine.core.chat import Prompt
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
-from engine.core.metrics import Baseline, Stats
+from engine.core.metrics import Baseline, FinishReason, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import BatchPrices, Pacing
 from engine.core.pool import Pools
@@ -204,7 +204,7 @@ class Scheduler:
         fit keeps its turn; one cancelled while it waited ends at once."""
         self._collect(block=not (self._serving or self._waiting))
         for dropped in self._waiting.drop(lambda j: j.cancelled):  # (its client's count falls now)
-            self._finish(dropped, "cancelled")
+            self._finish(dropped, FinishReason.CANCELLED)
         running = collections.Counter(job.client for job in self._serving)
         limit = self._clients.limits.running
 
@@ -218,7 +218,7 @@ class Scheduler:
             job = self._waiting.take(eligible)
             if job is None:
                 return
-            if not self._room_for(job):
+            if not self._make_room_for(job):
                 self._waiting.put_back(job)
                 return
             running[job.client] += 1
@@ -268,11 +268,11 @@ class Scheduler:
             job.request.mode,
         )
         if job.cancelled:  # stopped (or its tab closed) while it waited in the queue
-            self._finish(job, "cancelled")
+            self._finish(job, FinishReason.CANCELLED)
             return
         self._guard([job], start)
 
-    def _room_for(self, job: _Job) -> bool:
+    def _make_room_for(self, job: _Job) -> bool:
         """Whether the caches ``job`` may grow to fit in the memory budget beside the others',
         after dropping idle conversations' caches (least recently used first; never the one it
         continues). A cancelled job starts (and ends) at once."""
@@ -334,7 +334,7 @@ class Scheduler:
             self._firsts += 1
             job = jobs[plan.first]
             self._guard([job], functools.partial(self._first_round, job))
-            self._share.shared(time.perf_counter() - start, 1)
+            self._share.earn(time.perf_counter() - start, 1)
             return
         self._firsts = 0
         if plan.together:
@@ -344,9 +344,9 @@ class Scheduler:
             self._guard([jobs[key]], functools.partial(self._alone, jobs[key]))
         served = {jobs[key].client for key in (*plan.together, *plan.alone)}
         if served:
-            self._share.shared(time.perf_counter() - start, len(served))
+            self._share.earn(time.perf_counter() - start, len(served))
         else:
-            self._share.idle()
+            self._share.settle()
         for job in [jobs[key] for key in plan.side]:
             if (served and not self._share.allows()) or not self._jobs.empty():
                 return  # (what arrived meanwhile starts first: its first token does not wait for a slice)
@@ -385,7 +385,7 @@ class Scheduler:
             self._put(job, Event(EventKind.PROGRESS, metrics=job.stats.snapshot()))
         self._mark_progress()
         if job.cancelled:
-            self._finish(job, "cancelled")
+            self._finish(job, FinishReason.CANCELLED)
         elif job.decoder.done:  # no room left for even one token
             self._finish(job, job.stats.finish_reason)
 
@@ -398,7 +398,7 @@ class Scheduler:
         for _ in job.decoder.catch_up():
             self._mark_progress()
             if job.cancelled:
-                self._finish(job, "cancelled")
+                self._finish(job, FinishReason.CANCELLED)
                 return
         self._emit(job, job.decoder.round(), batch_size=1)
 
@@ -445,17 +445,17 @@ class Scheduler:
         delta, stopped = job.stops.push("".join(piece for piece, _ in pieces))
         self._put(job, Event(EventKind.DELTA, delta, pieces, job.stats.snapshot(), list(round_.tokens)))
         if stopped:
-            self._finish(job, "stop")
+            self._finish(job, FinishReason.STOP)
         elif job.cancelled:
-            self._finish(job, "cancelled")
+            self._finish(job, FinishReason.CANCELLED)
         elif job.decoder.done:
             tail, stopped = job.stops.push(job.detok.flush())
             tail += "" if stopped else job.stops.flush()
             if tail:
                 self._put(job, Event(EventKind.DELTA, tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
-            self._finish(job, "stop" if stopped else job.stats.finish_reason)
+            self._finish(job, FinishReason.STOP if stopped else job.stats.finish_reason)
 
-    def _finish(self, job: _Job, reason: str, error: str = "") -> None:
+    def _finish(self, job: _Job, reason: FinishReason, error: str = "") -> None:
         """End a request: its batch row goes back to its own cache, its last event is sent."""
         if job.key in self._batch:
             self._batch.leave(job.key, write_back=not error)
@@ -501,7 +501,7 @@ class Scheduler:
 
     def _fail(self, job: _Job, error: str) -> None:
         if job in self._serving:
-            self._finish(job, "error", error)
+            self._finish(job, FinishReason.ERROR, error)
 
     def _put(self, job: _Job, event: Event) -> None:
         self._mark_progress()

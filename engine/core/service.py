@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.core import chat
-from engine.core.budget import MemoryBudget, gigabytes
+from engine.core.budget import MemoryBudget, gib
 from engine.core.drafters import Drafter
 from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
@@ -40,7 +40,7 @@ from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
 # The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
-# on this machine the acceptance it costs outweighs the cheaper draft pass (docs/benchmarks.md).
+# the acceptance it costs outweighs the cheaper draft pass (docs/benchmarks.md, "Tried and dropped").
 DRAFT_VOCAB: int | None = None
 # Tokens per draft pass (see Runtime): one shape for every draft step.
 DRAFT_PASS_WIDTH = 2
@@ -181,7 +181,7 @@ class Engine:
             return True
         log.info(
             "prompt reader: none (its %s would leave room for %s tokens of input, under %s: raise --memory-limit)",
-            gigabytes(target_bytes),
+            gib(target_bytes),
             f"{max(0, budget.tokens - MIN_ANSWER_ROOM):,}",
             f"{wanted:,}",
         )
@@ -280,7 +280,7 @@ class Engine:
         if cap < self.max_input_tokens:
             bound = "for a visitor who is not logged in on this shared server"
         elif self.max_input_tokens + MIN_ANSWER_ROOM >= self.budget.tokens:
-            bound = f"its memory limit of {gigabytes(self.budget.limit)} holds {self.budget.tokens:,} tokens of cache"
+            bound = f"its memory limit of {gib(self.budget.limit)} holds {self.budget.tokens:,} tokens of cache"
         else:
             bound = f"the model's context holds {self.max_context:,}"
         return EngineError(

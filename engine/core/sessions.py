@@ -61,8 +61,7 @@ class Opening:
     with it is read by (engine.core.reading: its end is where a prompt's runs restart; the target
     reads its first token alone, ``Runtime.first_token_alone``, so later entries do not depend on
     the passes): copied in, the opening leaves the answer unchanged, and it
-    saves most of a short prompt's reading (24 of a coding question's 44 tokens for Qwen2.5: its
-    first token after 0.12 s against 0.26 s, AVX-512 AMD VM; docs/benchmarks.md, "Many users").
+    saves most of a short prompt's reading (docs/benchmarks.md, "Many users").
     The draft's u8 cache comes back requantized (its logits moved by up to 0.5, where reading
     the prompt in other chunks moves them by 1.5): the draft's rounding never changes an answer."""
 

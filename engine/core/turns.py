@@ -77,8 +77,8 @@ class ClientLimits:
 
 NO_LIMITS = ClientLimits()
 # A shared link's: two requests at once per client (two tabs of one browser), four waiting or
-# running; a stranger's conversation up to 4,096 tokens (about 25 s to read on a 2-core machine)
-# and answers up to 1,024 tokens.
+# running; a stranger's conversation up to 4,096 tokens and answers up to 1,024 tokens, so no
+# stranger holds the engine for long (docs/design.md, "Hardening").
 PUBLIC_LIMITS = ClientLimits(running=2, pending=4, stranger_input_tokens=4096, stranger_answer_tokens=1024)
 
 
@@ -186,12 +186,12 @@ class TimeShare:
         self.most_s = most_s  # credit saved at most: side work never comes in a burst
         self.credit = 0.0
 
-    def shared(self, seconds: float, sharing: int) -> None:
+    def earn(self, seconds: float, sharing: int) -> None:
         """Shared work of ``seconds`` for ``sharing`` clients."""
         if sharing:
             self.credit = min(self.most_s, self.credit + seconds / sharing)
 
-    def idle(self) -> None:
+    def settle(self) -> None:
         """No shared work: side work runs freely, and owes nothing later."""
         self.credit = 0.0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 FORMAT = "specchat-conversation"
@@ -16,13 +17,13 @@ _MARKER_LINE = re.compile(r"^<!-- specchat: \w+ -->$", re.MULTILINE)
 _HEADINGS = {"system": "System prompt", "user": "User", "assistant": "Assistant"}
 
 
-def to_json(title: str, system: str, messages: list[dict]) -> str:
+def to_json(title: str, system: str, messages: Sequence[Mapping[str, Any]]) -> str:
     """``messages``: {"role", "content"} each, plus any figures worth keeping (``metrics``)."""
     kept = [{k: m[k] for k in ("role", "content", "metrics") if k in m} for m in messages]
     return json.dumps({"format": FORMAT, "title": title, "system": system, "messages": kept}, indent=2)
 
 
-def to_markdown(title: str, system: str, messages: list[dict]) -> str:
+def to_markdown(title: str, system: str, messages: Sequence[Mapping[str, Any]]) -> str:
     parts = [f"# {title}\n"]
     for role, content in [("system", system)] * bool(system) + [(m["role"], m["content"]) for m in messages]:
         body = _MARKER_LINE.sub(lambda m: m.group(0).replace("<!--", "<!-- "), content.strip())  # (not a marker)

@@ -11,8 +11,8 @@ from engine.report import markdown_table
 def test_a_paste_reports_its_length_timings_and_memory(engine):
     row = paste(engine, 25, "best", 4)  # (a tiny tokenizer: about 5 tokens a word)
     assert row["prompt_tokens"] >= 25 and 0 < row["ttft_s"] <= row["wall_s"]
-    assert 0 < row["rss_before_gb"] <= row["peak_gb"] and row["rss_after_gb"] <= row["peak_gb"]
-    assert row["budget_gb"] > 0 and f"{row['prompt_tokens']} | best" in markdown_table([row], COLUMNS)
+    assert 0 < row["rss_before_gib"] <= row["peak_gib"] and row["rss_after_gib"] <= row["peak_gib"]
+    assert row["budget_gib"] > 0 and f"{row['prompt_tokens']} | best" in markdown_table([row], COLUMNS)
 
 
 def test_another_user_keeps_getting_tokens_while_a_paste_is_read(long_target):
