@@ -323,7 +323,8 @@ def decode(
     target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
 ) -> Iterator[Round]:
     """Yield the tokens of each round until a stop token, the token budget or the context limit,
-    on the request's own caches."""
+    on the request's own caches: one request alone, start to end (the tests' reference; the
+    service's scheduler runs a :class:`Decoder` in slices of its own)."""
     decoder = Decoder(target, drafter, prompt, config, stats)
     if not _until_cancelled(decoder.prefill(), config):
         stats.finish_reason = FinishReason.CANCELLED
