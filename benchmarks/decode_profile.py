@@ -33,12 +33,12 @@ from benchmarks.bench import load_prompts
 from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat, graph
+from engine.core.budget import GIB
 from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table
 
-GIB = 1 << 30
 COLUMNS = [
     Column("engine", "engine"),
     Column("ms per token", "ms_per_token", "{:.1f}"),

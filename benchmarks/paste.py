@@ -18,6 +18,7 @@ import threading
 import time
 
 from benchmarks.report import add_output_arguments, percentile, write_text
+from engine.core.budget import GIB
 from engine.core.memory import peak_resident_bytes, reset_peak_rss, resident_bytes
 from engine.core.requests import Request
 from engine.core.service import Engine
@@ -26,7 +27,6 @@ from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table
 from engine.startup import add_engine_arguments
 
-GIB = 2**30
 COLUMNS = [
     Column("prompt tokens", "prompt_tokens", "{:,}"),
     Column("mode", "mode"),

@@ -29,7 +29,8 @@ HEADROOM = 768 * 2**20
 # context beside them, as a long prompt read into the default target shows (docs/benchmarks.md,
 # "Memory").
 RESIDENT_PER_CACHED_BYTE = 1.5
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+GIB = 2**30  # memory is counted and shown in GiB
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": GIB, "T": 2**40}
 
 
 def parse_size(text: str) -> int:
@@ -59,7 +60,7 @@ def machine_memory() -> int:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / GIB:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class MemoryBudget:
     def of_machine(cls, limit: int | None, base: int, per_token: int, reading_per_token: int = 0) -> MemoryBudget:
         """The budget for ``limit`` bytes (None: :data:`DEFAULT_SHARE` of the machine's memory)."""
         if limit is None:
-            limit = int(machine_memory() * DEFAULT_SHARE) or base + 4 * 2**30
+            limit = int(machine_memory() * DEFAULT_SHARE) or base + 4 * GIB
         return cls(limit, base, int(per_token * RESIDENT_PER_CACHED_BYTE), reading_per_token)
 
     def bytes_held(self, cache_bytes: int) -> int:
