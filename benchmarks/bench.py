@@ -66,7 +66,7 @@ COLUMNS = [
 
 
 def per_k(mode: str) -> bool:
-    return mode in PEERS_PER_K or (mode in BY_SHORT_NAME and BY_SHORT_NAME[mode].per_k)
+    return mode in PEERS_PER_K or (mode in BY_SHORT_NAME and BY_SHORT_NAME[mode].takes_k)
 
 
 @dataclass

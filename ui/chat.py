@@ -254,7 +254,6 @@ def stream_answer(
     request = streaming.make_request(
         streaming.conversation(turns[:-1], system),
         settings,
-        context=engine.max_context,
         answer_ids=answer["token_ids"],
         client=client,
     )

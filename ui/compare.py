@@ -15,6 +15,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.core.chat import Message
+from engine.core.metrics import ModeName
 from engine.core.requests import EventKind, Request
 from engine.errors import EngineError
 from engine.interface import EngineClient
@@ -73,7 +74,7 @@ def create_ui(engine: EngineClient, examples: list[dict]) -> CompareTab:
         label="Prompt", lines=2, value=examples[0]["prompt"] if examples else "", elem_id="compare-prompt"
     )
     with gr.Row():
-        left_mode = gr.Dropdown(list(engine.modes), value="autoregressive", label="Left", elem_id="left-mode")
+        left_mode = gr.Dropdown(list(engine.modes), value=ModeName.AUTOREGRESSIVE, label="Left", elem_id="left-mode")
         right_mode = gr.Dropdown(list(engine.modes), value=engine.modes[0], label="Right", elem_id="right-mode")
     with gr.Row():
         run_compare = gr.Button("Compare", variant="primary", elem_id="run-compare")
@@ -128,7 +129,7 @@ def run_stats(m: dict) -> str:
         f"**{m['tokens_per_s']:.1f} tokens/s** · {m['new_tokens']} tokens in {m['wall_s']:.2f} s"
         f" · TTFT {seconds(m['ttft_s'])}"
     )
-    if m["mode"] != "autoregressive":
+    if m["mode"] != ModeName.AUTOREGRESSIVE:
         line = f"{line} · acceptance {m['acceptance_rate']:.0%} · mean accepted length {m['mean_accepted_length']:.2f}"
     return line
 
@@ -188,7 +189,6 @@ def compare(
                 Settings.from_form(
                     mode=mode, k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed
                 ),
-                context=engine.max_context,
                 reuse_cache=False,
                 client=client,
             ),
@@ -284,7 +284,7 @@ def paper_table(engine: EngineClient, prompt: str, k: float, page: gr.Request | 
     rows: list[dict] = []
     for n in PAPER_LENGTHS:
         ar_wall = None
-        for mode in ("autoregressive", "speculative"):
+        for mode in (ModeName.AUTOREGRESSIVE, ModeName.SPECULATIVE):
             asked = Request(
                 messages,
                 mode=mode,
@@ -310,8 +310,8 @@ def paper_table(engine: EngineClient, prompt: str, k: float, page: gr.Request | 
                         yield table_markdown(rows, f"running {mode}, N={n}: {m['new_tokens']}/{n} tokens…")
             finally:
                 events.close()
-            ar_wall = m["wall_s"] if mode == "autoregressive" else ar_wall
-            speculative = mode == "speculative"
+            ar_wall = m["wall_s"] if mode == ModeName.AUTOREGRESSIVE else ar_wall
+            speculative = mode == ModeName.SPECULATIVE
             rows.append(
                 {
                     "mode": f"speculative (K={int(k)})" if speculative else mode,

@@ -8,7 +8,7 @@ import html
 from functools import lru_cache
 from typing import Any, Required, TypedDict
 
-from engine.core.metrics import FinishReason
+from engine.core.metrics import FinishReason, ModeName
 from engine.interface import EngineClient
 from engine.render import markdown
 
@@ -59,7 +59,7 @@ def footer_line(m: dict) -> str:
     """An answer's figures on one line: the footer under it, and the compact line on phones."""
     if not m:
         return ""
-    speculative = m["mode"] != "autoregressive"
+    speculative = m["mode"] != ModeName.AUTOREGRESSIVE
     parts = [m["mode"], f"{m['new_tokens']} tokens", f"{m['tokens_per_s']:.1f} tokens/s"]
     if speculative:
         parts += [f"acceptance {m['acceptance_rate']:.0%}", f"{m['mean_accepted_length']:.2f} tokens/pass"]
@@ -176,7 +176,7 @@ def metrics_html(m: dict, status: str = "") -> str:
     ``status`` shows in the corner (default: the finish reason)."""
     if not m:
         return '<div class="metrics empty">Send a message to see live metrics.</div>'
-    speculative = m["mode"] != "autoregressive"  # every other mode drafts tokens
+    speculative = m["mode"] != ModeName.AUTOREGRESSIVE  # every other mode drafts tokens
     cards = [
         ("tokens/s", f"{m['tokens_per_s']:.1f}"),
         ("acceptance", f"{m['acceptance_rate']:.0%}" if speculative else "—"),

@@ -56,12 +56,8 @@ def create_ui(engine: EngineClient) -> Sidebar:
         # settings below.
         gr.Markdown("## ⚡ SpecChat\nA small draft model proposes *K* tokens; the target checks them in one pass.")
         # The switch above the cards: the panel grows with an answer's figures, the switch stays in view.
-        mode = gr.Radio(
-            list(engine.modes),
-            label="Decoding mode",
-            elem_id="mode",
-            value=DEFAULT_MODE if DEFAULT_MODE in engine.modes else engine.modes[0],
-        )
+        first_mode = DEFAULT_MODE if DEFAULT_MODE in engine.modes else engine.modes[0]
+        mode = gr.Radio(list(engine.modes), label="Decoding mode", elem_id="mode", value=first_mode)
         metrics_panel = gr.HTML(metrics_html({}), elem_id="metrics")
         tps_plot = gr.LinePlot(
             None,
@@ -96,7 +92,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
                 placeholder="Empty: the model's own default",
                 elem_id="system",
             )
-            k = gr.Slider(1, 8, value=DEFAULT_K, step=1, label="Draft length K")
+            k = gr.Slider(1, 8, value=DEFAULT_K, step=1, label="Draft length K", interactive=MODES[first_mode].takes_k)
             temperature = gr.Slider(
                 0.0, MAX_TEMPERATURE, value=DEFAULT_TEMPERATURE, step=0.05, label="Temperature", info="0 = greedy"
             )
@@ -104,7 +100,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
             max_new_tokens = gr.Slider(
                 0,
                 max_tokens,
-                value=0,
+                value=streaming.FORM_MAX_NEW_TOKENS,
                 step=8,
                 label="Max new tokens",
                 info="0 = until the model stops (within the context); a cut answer can be continued",
@@ -134,8 +130,8 @@ def create_ui(engine: EngineClient) -> Sidebar:
 
 
 def draft_length_for(mode: str) -> dict[str, Any]:
-    """K only matters where tokens are drafted."""
-    return gr.update(interactive=mode != "autoregressive")
+    """The K slider takes input only for a mode whose drafts a request's K changes."""
+    return gr.update(interactive=MODES[mode].takes_k)
 
 
 def wire(demo: gr.Blocks, sidebar: Sidebar) -> None:

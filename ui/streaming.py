@@ -14,13 +14,16 @@ import gradio as gr
 import pandas as pd
 
 from engine.core.chat import Message
-from engine.core.requests import Request
+from engine.core.requests import DEFAULT_MAX_NEW_TOKENS, Request
 from engine.core.turns import PAGE, USER
 from ui.render import Turn
 
 # A streaming answer is redrawn at most this often (rounds in between are drawn together), its
 # live plot less often still: a browser re-renders the whole answer at every redraw, and on the
 # same CPU that is time taken from decoding (docs/benchmarks.md, "The chat in a browser").
+# The form's "Max new tokens" for no cap (the engine's None), and the form's default.
+UNCAPPED = 0
+FORM_MAX_NEW_TOKENS = UNCAPPED if DEFAULT_MAX_NEW_TOKENS is None else DEFAULT_MAX_NEW_TOKENS
 REDRAW_S = 0.3
 PLOT_EVERY_S = 1.0
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.
@@ -63,7 +66,7 @@ class Settings:
     k: int
     temperature: float
     top_p: float
-    max_new_tokens: int  # 0: until the model stops, within its context
+    max_new_tokens: int  # UNCAPPED: until the model stops, within its context
     seed: int | None  # None: a new random seed each time
 
     @classmethod
@@ -87,20 +90,19 @@ def make_request(
     messages: Sequence[Message],
     settings: Settings,
     *,
-    context: int,
     reuse_cache: bool = True,
     answer_ids: Sequence[int] = (),
     client: str = "",
 ) -> Request:
     """``settings`` as an engine request; the engine refuses what is out of range.
-    ``max_new_tokens`` 0: until the model stops, within its ``context``. ``answer_ids``: the
+    ``max_new_tokens`` :data:`UNCAPPED`: until the model stops, within its context. ``answer_ids``: the
     tokens of an answer this request continues. ``client``: who asks (:func:`client_of`)."""
     return Request(
         messages=tuple(messages),
         answer_ids=tuple(answer_ids),
         mode=settings.mode,
         k=settings.k,
-        max_new_tokens=context if settings.max_new_tokens == 0 else settings.max_new_tokens,
+        max_new_tokens=None if settings.max_new_tokens == UNCAPPED else settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
         seed=settings.seed,

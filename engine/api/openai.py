@@ -82,13 +82,13 @@ class ChatCompletion(BaseModel):
     mode: str = DEFAULT_MODE  # extension: the decoding mode
     k: int = DEFAULT_K  # extension: the draft length where the mode takes one
 
-    def engine_request(self, max_context: int) -> EngineRequest:
+    def engine_request(self) -> EngineRequest:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return EngineRequest(
             messages=tuple(m.chat() for m in self.messages),
             mode=self.mode,
             k=self.k,
-            max_new_tokens=self.max_completion_tokens or self.max_tokens or max_context,
+            max_new_tokens=self.max_completion_tokens or self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
@@ -184,9 +184,7 @@ def build_router(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return error(400, f"{where}: {first['msg']}", "invalid_request_error", where)
-        request = dataclasses.replace(
-            asked.engine_request(engine.max_context), client=client_of(http, bool(api_key), trust_proxy)
-        )
+        request = dataclasses.replace(asked.engine_request(), client=client_of(http, bool(api_key), trust_proxy))
         stream = engine.generate(request)
         if stream.refusal and stream.retry_after is not None:  # its client holds its share
             refused = error(429, stream.refusal, "rate_limit_error")

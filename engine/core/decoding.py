@@ -45,7 +45,7 @@ class Provenance(StrEnum):
 class DecodeConfig:
     speculative: bool = True
     k: int = DEFAULT_K
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: until the context is full
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
     cancelled: Callable[[], bool] = lambda: False  # checked between rounds and prefill chunks
@@ -159,16 +159,18 @@ class Decoder:
     def room(self) -> int:
         """Drafted tokens that fit in the next round beside its own token (the budget and the
         context): negative where not even that token fits."""
-        left = min(self.config.max_new_tokens - self.stats.new_tokens, self.target.max_context - len(self.context))
-        return left - 1
+        return min(self._budget_left(), self.target.max_context - len(self.context)) - 1
+
+    def _budget_left(self) -> int:
+        """Answer tokens the request's cap still allows (without a cap, the context bounds them)."""
+        cap = self.config.max_new_tokens
+        return self.target.max_context if cap is None else cap - self.stats.new_tokens
 
     def finish_if_full(self) -> None:
         """Mark the request :attr:`done` where not even one more token fits (its budget or the
         context), with the reason."""
         if self.room() < 0:
-            self.stats.finish_reason = (
-                FinishReason.LENGTH if self.stats.new_tokens >= self.config.max_new_tokens else FinishReason.CONTEXT
-            )
+            self.stats.finish_reason = FinishReason.LENGTH if self._budget_left() <= 0 else FinishReason.CONTEXT
             self.done = True
 
     def _choice(self, limit: int) -> Choice:

@@ -15,6 +15,18 @@ def expected_speedup(alpha: float, gamma: float, c: float) -> float:
     return mean_tokens / (gamma * c + 1)
 
 
+class ModeName(StrEnum):
+    """A decoding mode's name (a string on the wire: a request's and its metrics' ``mode``);
+    :data:`engine.core.modes.MODES` says what each does."""
+
+    BEST = "best"
+    SPECULATIVE = "speculative"
+    ADAPTIVE = "adaptive"
+    HYBRID = "hybrid"
+    PLD = "pld"
+    AUTOREGRESSIVE = "autoregressive"
+
+
 class FinishReason(StrEnum):
     """Why an answer ended (a string on the wire: the metrics' ``finish_reason``)."""
 
@@ -131,7 +143,7 @@ class Baseline:
     def record(self, m: dict) -> None:
         """Learn from a finished answer: a plain one served alone sets its bucket's step cost."""
         alone = m["peak_sharing"] == 1
-        if m["mode"] == "autoregressive" and alone and m["new_tokens"] >= self.MIN_TOKENS and m["ttft_s"]:
+        if m["mode"] == ModeName.AUTOREGRESSIVE and alone and m["new_tokens"] >= self.MIN_TOKENS and m["ttft_s"]:
             self._step_s[self._bucket(m)] = (m["wall_s"] - m["ttft_s"]) / (m["new_tokens"] - 1)
 
     def speedup(self, m: dict) -> float | None:

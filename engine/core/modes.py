@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from engine.core.drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter, Price
+from engine.core.metrics import ModeName
 from engine.core.runtime import Runtime
 
 # "adaptive": its draft model stops a round once its confidence in the token it drafted falls
@@ -70,44 +71,48 @@ class DrafterParts:
 
 @dataclass(frozen=True)
 class Mode:
-    name: str
+    name: ModeName
     short: str  # the bench's name for it
     help: str  # where the drafts come from, in a few words
     drafter: Callable[[DrafterParts], Drafter] | None  # None: autoregressive
     needs_draft_model: bool = True
     fixed_k: int | None = None  # a K of its own, whatever the request asks
-    per_k: bool = True  # the bench runs it once per draft length it is given
+    takes_k: bool = True  # a request's K changes its drafts (the bench runs it once per K it is given)
     paced: bool = False  # speculates only while it pays (decoding.Pacer)
 
     def k(self, requested: int) -> int:
         return self.fixed_k or requested
 
-
-MODES: dict[str, Mode] = {
+MODES: dict[str, Mode] = {  # by name (a ModeName, or the same string)
     m.name: m
     for m in (
         Mode(
-            "best",
+            ModeName.BEST,
             "best",
             f"fastest measured here: prompt lookup, else the draft model, at K={BEST_K}, only while it pays",
             DrafterParts.best,
             fixed_k=BEST_K,
-            per_k=False,
+            takes_k=False,
             paced=True,
         ),
-        Mode("speculative", "sd", "draft model", lambda parts: parts.model),
-        Mode("adaptive", "adaptive", "draft model, stops when unsure, adaptive K", DrafterParts.adaptive),
-        Mode("hybrid", "hybrid", "prompt lookup, else the draft model", lambda parts: parts.hybrid),
+        Mode(ModeName.SPECULATIVE, "sd", "draft model", lambda parts: parts.model),
+        Mode(ModeName.ADAPTIVE, "adaptive", "draft model, stops when unsure, adaptive K", DrafterParts.adaptive),
+        Mode(ModeName.HYBRID, "hybrid", "prompt lookup, else the draft model", lambda parts: parts.hybrid),
         Mode(
-            "pld",
+            ModeName.PLD,
             "pld",
             f"prompt lookup (copies up to {LOOKUP_SPAN} tokens)",
             DrafterParts.lookup,
             needs_draft_model=False,
-            per_k=False,
+            takes_k=False,
         ),
         Mode(
-            "autoregressive", "ar", "the target alone, one pass per token", None, needs_draft_model=False, per_k=False
+            ModeName.AUTOREGRESSIVE,
+            "ar",
+            "the target alone, one pass per token",
+            None,
+            needs_draft_model=False,
+            takes_k=False,
         ),
     )
 }

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.core.chat import Message, check_messages
-from engine.core.metrics import Stats
+from engine.core.metrics import ModeName, Stats
 from engine.errors import EngineError
 
 # Each setting's default, the one the API, the UI and a Request built in code all start from: the
 # fastest exact mode, greedy (docs/design.md, "The drafters").
-DEFAULT_MODE = "best"
+DEFAULT_MODE = ModeName.BEST
 DEFAULT_K = 4  # the draft length of a mode that takes one (best has its own)
 DEFAULT_TEMPERATURE = 0.0  # greedy
 DEFAULT_TOP_P = 1.0
-DEFAULT_MAX_NEW_TOKENS = 256  # a Request built in code (the API and the page: until the context is full)
+DEFAULT_MAX_NEW_TOKENS: int | None = None  # no cap: until the model stops, within its context
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 MAX_K = 16
@@ -44,7 +44,7 @@ class Request:
     answer_ids: tuple[int, ...] = ()
     mode: str = DEFAULT_MODE
     k: int = DEFAULT_K
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     top_k: int = 0
@@ -63,7 +63,8 @@ class Request:
         _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _in_range("top_k", self.top_k, 0, max_context, integer=True)
         _in_range("k", self.k, 1, MAX_K, integer=True)
-        _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, integer=True)
+        if self.max_new_tokens is not None:
+            _in_range("max_new_tokens", self.max_new_tokens, 1, max_context, integer=True)
         if self.seed is not None:
             _in_range("seed", self.seed, 0, 2**63 - 1, integer=True)
         if len(self.stop_strings) > MAX_STOP_STRINGS or not all(
@@ -76,6 +77,8 @@ class Request:
 
     def tokens_held(self, prompt: Sequence[int], max_context: int) -> int:
         """The most tokens this request's caches may hold: its prompt and its whole answer."""
+        if self.max_new_tokens is None:
+            return max_context
         return min(len(prompt) + self.max_new_tokens, max_context)
 
 

@@ -25,7 +25,7 @@ from engine.core.batch import Batch
 from engine.core.budget import MemoryBudget
 from engine.core.chat import Prompt
 from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
-from engine.core.metrics import Baseline, FinishReason, Stats
+from engine.core.metrics import Baseline, FinishReason, ModeName, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import BatchPrices, Pacing
 from engine.core.pool import Pools
@@ -470,7 +470,7 @@ class Scheduler:
             self._put(job, Event(EventKind.ERROR, error=error, metrics=metrics, token_ids=job.out))
             return
         self.baseline.record(metrics)
-        metrics["speedup_vs_ar"] = 1.0 if metrics["mode"] == "autoregressive" else self.baseline.speedup(metrics)
+        metrics["speedup_vs_ar"] = 1.0 if metrics["mode"] == ModeName.AUTOREGRESSIVE else self.baseline.speedup(metrics)
         self._put(job, Event(EventKind.DONE, metrics=metrics, token_ids=job.out))
 
     def _guard(self, jobs: list[_Job], work: Callable[[], None]) -> None:

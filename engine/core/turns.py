@@ -58,10 +58,12 @@ class ClientLimits:
         """The longest conversation ``client`` may send, in tokens (0: the server's own cap)."""
         return self.stranger_input_tokens if stranger(client) else 0
 
-    def answer_cap(self, client: str, asked: int) -> int:
-        """The answer length ``client`` gets for ``asked`` tokens."""
+    def answer_cap(self, client: str, asked: int | None) -> int | None:
+        """The answer length ``client`` gets for ``asked`` tokens (None: no cap)."""
         cap = self.stranger_answer_tokens if stranger(client) else 0
-        return min(asked, cap) if cap else asked
+        if not cap:
+            return asked
+        return cap if asked is None else min(asked, cap)
 
     def describe(self) -> str:
         """The limits, for a page's visitors ("" where there are none)."""

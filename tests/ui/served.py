@@ -41,7 +41,7 @@ def greedy_request(engine, message: str, **settings):
     values = {**GREEDY, **settings}
     del values["colour"]
     settings = streaming.Settings.from_form(**values)
-    return streaming.make_request([{"role": "user", "content": message}], settings, context=engine.max_context)
+    return streaming.make_request([{"role": "user", "content": message}], settings)
 
 
 class SlowEngine:

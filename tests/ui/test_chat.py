@@ -7,16 +7,23 @@ import itertools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
+import gradio as gr
 import pytest
 from gradio_client import Client
 
 from benchmarks import chaos
+from engine.api.openai import ChatCompletion
+from engine.core.metrics import ModeName
+from engine.core.modes import MODES
+from engine.core.requests import DEFAULT_MODE, Request
 from engine.render import markdown
 from tests.test_decoding import idle, slowed
 from tests.ui.served import GREEDY, SlowEngine, ask, greedy_request, last_answer, serve, text
 from ui import streaming
 from ui.render import CONTINUE, footer_line
+from ui.sidebar import create_ui, draft_length_for
 
 
 # -- streaming and metrics --------------------------------------------------------------------
@@ -123,7 +130,7 @@ def test_the_system_prompt_goes_to_the_model_through_the_chat_template(client, e
     messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "def add(a, b):"}]
     values = {k: v for k, v in GREEDY.items() if k != "colour"}
     settings = streaming.Settings.from_form(**values)
-    expected = engine.run(streaming.make_request(messages, settings, context=engine.max_context))
+    expected = engine.run(streaming.make_request(messages, settings))
     assert answer == engine.text(expected.token_ids).strip()  # (the chat drops the answer's outer spaces)
     assert answer != last_answer(ask(client, "def add(a, b):").outputs()[-1])  # (the prompt did change)
 
@@ -154,6 +161,28 @@ def test_a_footer_names_the_speedup_measured_where_plain_decoding_was_measured()
     assert footer_line({**m, "mode": "autoregressive", "speedup_vs_ar": 1.0}) == (
         "autoregressive · 64 tokens · 30.0 tokens/s"
     )
+
+
+def test_a_request_that_names_no_setting_gets_the_same_ones_from_the_page_the_api_and_code(engine):
+    """One default per setting: the sidebar's first values, an API call that names nothing and
+    a Request built in code decode alike (no answer cap: until the model stops)."""
+    with gr.Blocks():
+        sidebar = create_ui(engine)
+    form = {field.name: c.value for field, c in zip(fields(streaming.Settings), sidebar.settings, strict=True)}
+    asked = [
+        streaming.make_request([], streaming.Settings.from_form(**form)),
+        ChatCompletion.model_validate({"messages": [{"role": "user", "content": "hi"}]}).engine_request(),
+        Request(),
+    ]
+    named = ("mode", "k", "temperature", "top_p", "max_new_tokens", "seed")
+    assert len({tuple(getattr(r, name) for name in named) for r in asked}) == 1
+    assert asked[0].max_new_tokens is None and asked[0].mode == DEFAULT_MODE
+
+
+def test_the_draft_length_takes_input_only_where_the_mode_uses_it():
+    takes_k = {mode: draft_length_for(mode)["interactive"] for mode in MODES}
+    assert takes_k == {mode: mode in (ModeName.SPECULATIVE, ModeName.ADAPTIVE, ModeName.HYBRID) for mode in MODES}
+    assert not MODES[DEFAULT_MODE].takes_k  # best's K is its own
 
 
 # -- many users -------------------------------------------------------------------------------
