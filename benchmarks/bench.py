@@ -33,7 +33,9 @@ from benchmarks import llamacpp
 from benchmarks.report import add_output_arguments, write_text
 from engine import report
 from engine.cli import CODING_PROMPTS
+from engine.core.budget import GIB
 from engine.core.chat import Message
+from engine.core.memory import peak_resident_bytes, peak_resident_bytes_of, reset_peak_rss
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.runtime import Runtime
@@ -330,6 +332,17 @@ def run_bench(
     return runs
 
 
+def peak_memory_gib(peers: dict[str, Peer]) -> dict[str, float]:
+    """Each engine's peak resident memory, in GiB: this process's since :func:`reset_peak_rss`
+    (our engine with both models, and openvino.genai's peers, which run in it) and each
+    llama.cpp server's since it started."""
+    peaks = {"ours": peak_resident_bytes() / GIB}
+    for mode, peer in peers.items():
+        if isinstance(peer, llamacpp.LlamaCppPeer):
+            peaks[mode] = peak_resident_bytes_of(peer.process.pid) / GIB
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
@@ -354,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
+        reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
         engine = Engine(
             target.path,
             draft.path,
@@ -374,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             ks = [int(k) for k in args.k.split(",")]
             runs = run_bench(engine, prompts, modes, ks, args.max_new_tokens, peers, chat_history(engine, args.history))
+            peaks = peak_memory_gib(peers)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -384,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         count = len({r.prompt_id for r in agreed})
         text += f"\n\nOn the {count} of {len(prompts)} prompts where ar and llamacpp wrote the same text:\n\n"
         text += markdown_table(summarize(agreed), COLUMNS) if agreed else "(none)"
+    text += "\n\nPeak resident memory: " + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in peaks.items())
     print(text)
     write_text(args.table, text + "\n")
     write_text(
@@ -394,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 "same_text_summary": summarize(agreed) if agreed else [],
                 "runs": [r.__dict__ for r in runs],
                 "max_new_tokens": args.max_new_tokens,
+                "peak_rss_gib": peaks,
             },
             indent=1,
         ),

@@ -36,6 +36,8 @@ from benchmarks.bench import load_prompts
 from benchmarks.flood import FLOOD
 from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, free_port, is_loopback, run_cli
+from engine.core.budget import GIB
+from engine.core.memory import peak_resident_bytes_of
 from engine.errors import EngineError
 from engine.report import Column, markdown_table
 
@@ -288,12 +290,6 @@ def run(
     return [normal, *bad.values(), health], phases
 
 
-def peak_rss_gib(pid: int) -> float:
-    """The process's peak resident memory (VmHWM), in GiB."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 2**20
-
-
 @contextlib.contextmanager
 def app_server(app_args: list[str], timeout_s: float = 900) -> Iterator[tuple[str, int]]:
     """``python app.py`` on a free loopback port, until the block ends: (its URL, its pid)."""
@@ -349,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
         with the_app(args.url, app_args) as (url, pid):
             tallies, phases = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds, flood)
-            memory = f"\napp peak RSS: {peak_rss_gib(pid):.1f} GiB" if pid else ""
+            memory = f"\napp peak RSS: {peak_resident_bytes_of(pid) / GIB:.1f} GiB" if pid else ""
         table = markdown_table([asdict(t) for t in tallies], COLUMNS)
         table += "\n\n" + markdown_table(phases, PHASE_COLUMNS) + memory
         print(table)

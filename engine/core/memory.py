@@ -48,10 +48,11 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _status_bytes(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` in bytes (0 where there is none: not Linux)."""
+def _status_bytes(field: str, pid: int | str = "self") -> int:
+    """A ``kB`` field of process ``pid``'s ``/proc/.../status`` in bytes (0 where there is none:
+    not Linux, or no such process)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -79,6 +80,11 @@ def peak_resident_bytes() -> int:
     thread's page counts into the high-water mark in batches, so it can trail the present
     resident size by a few pages: the larger of the two is the peak."""
     return max(_status_bytes("VmHWM"), resident_bytes())
+
+
+def peak_resident_bytes_of(pid: int) -> int:
+    """Another process's peak resident memory since it started (a server a benchmark runs)."""
+    return _status_bytes("VmHWM", pid)
 
 
 def peak_rss_since() -> int:

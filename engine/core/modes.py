@@ -83,6 +83,7 @@ class Mode:
     def k(self, requested: int) -> int:
         return self.fixed_k or requested
 
+
 MODES: dict[str, Mode] = {  # by name (a ModeName, or the same string)
     m.name: m
     for m in (

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import llamacpp
+from benchmarks.bench import peak_memory_gib
+from engine.core.budget import GIB
+from engine.core.memory import resident_bytes
 from engine.errors import EngineError
 from engine.prepare.pipeline import default_cache_dir
 from tests.gguf_writer import write_gguf
@@ -39,10 +42,12 @@ def test_the_server_decodes_greedily_from_a_gguf(hf_target, tiny_dir, tiny_cache
     try:
         first, wall, ttft = peer.run([5, 17, 42, 99], 12, None)
         again, _, _ = peer.run([5, 17, 42, 99], 12, None)
+        peaks = peak_memory_gib({"llamacpp": peer})
     finally:
         peer.close()
     assert 0 < len(first) <= 12 and first == again
     assert wall > 0 and ttft >= 0
+    assert peaks["ours"] >= resident_bytes() / GIB * 0.9 and 0 < peaks["llamacpp"] < peaks["ours"]  # (a tiny model)
     assert peer.process.poll() is not None
     with pytest.raises(EngineError, match="did not answer"):  # a server that is gone
         peer.run([5, 17, 42, 99], 4, None)
