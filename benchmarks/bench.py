@@ -334,12 +334,13 @@ def run_bench(
 
 def peak_memory_gib(peers: dict[str, Peer]) -> dict[str, float]:
     """Each engine's peak resident memory, in GiB: this process's since :func:`reset_peak_rss`
-    (our engine with both models, and openvino.genai's peers, which run in it) and each
-    llama.cpp server's since it started."""
-    peaks = {"ours": peak_resident_bytes() / GIB}
+    ("ours": our engine with both models, and openvino.genai's peers where they ran, in this
+    process) and each llama.cpp server's since it started."""
+    ours = "ours with genai" if any(isinstance(peer, GenaiPeer) for peer in peers.values()) else "ours"
+    peaks = {ours: peak_resident_bytes() / GIB}
     for mode, peer in peers.items():
-        if isinstance(peer, llamacpp.LlamaCppPeer):
-            peaks[mode] = peak_resident_bytes_of(peer.process.pid) / GIB
+        if isinstance(peer, llamacpp.LlamaCppPeer) and (peak := peak_resident_bytes_of(peer.process.pid)):
+            peaks[mode] = peak / GIB
     return peaks
 
 

@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
         with the_app(args.url, app_args) as (url, pid):
             tallies, phases = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds, flood)
-            memory = f"\napp peak RSS: {peak_resident_bytes_of(pid) / GIB:.1f} GiB" if pid else ""
+            peak = peak_resident_bytes_of(pid) if pid else None
+            memory = f"\napp peak RSS: {peak / GIB:.1f} GiB" if peak else ""
         table = markdown_table([asdict(t) for t in tallies], COLUMNS)
         table += "\n\n" + markdown_table(phases, PHASE_COLUMNS) + memory
         print(table)

@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None, on_phase: Callable[[int], None] | None =
                         on_phase(users)
                     answers, took = run_phase(url, conversations[:users], args, together=True)
                 rows.append(summarize(users, answers, took, solo))
-                rows[-1]["peak_rss_gib"] = peak_resident_bytes_of(pid) / GIB if pid else None
+                peak = peak_resident_bytes_of(pid) if pid else None
+                rows[-1]["peak_rss_gib"] = peak / GIB if peak else None
                 print(markdown_table(rows[-1:], columns(rows)), flush=True)
         one = next((r for r in rows if r["users"] == 1), None)
         for row in rows:

@@ -237,6 +237,11 @@ def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir
     short = Request(({"role": "user", "content": "hi"},), max_new_tokens=12)
     capped = engine.run(replace(short, client="ip:1.2.3.4"))
     assert capped.kind == "done" and len(capped.token_ids) == 5 and capped.metrics["finish_reason"] == "length"
+    uncapped = engine.run(replace(short, client="ip:1.2.3.4", max_new_tokens=None))  # no cap asked: the limits'
+    assert uncapped.kind == "done" and len(uncapped.token_ids) == 5
+    wide = ClientLimits(stranger_answer_tokens=10**6)  # a cap past the context asks only what fits
+    assert wide.answer_cap("page:abc", None, engine.max_context) == engine.max_context
+    assert wide.answer_cap("user:bob", None, engine.max_context) is None
     assert limits.describe() == "without a login, messages up to 24 tokens and answers up to 5 tokens"
     assert PUBLIC_LIMITS.describe() == (
         "2 answers at once and 4 waiting or running; without a login, messages up to 4,096 tokens and answers "

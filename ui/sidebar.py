@@ -4,7 +4,6 @@ and the figures as JSON), then the conversations kept in this browser and the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 import gradio as gr
 
@@ -92,7 +91,10 @@ def create_ui(engine: EngineClient) -> Sidebar:
                 placeholder="Empty: the model's own default",
                 elem_id="system",
             )
-            k = gr.Slider(1, 8, value=DEFAULT_K, step=1, label="Draft length K", interactive=MODES[first_mode].takes_k)
+            # (live whatever the mode above: Compare takes K too, for its own two modes)
+            k = gr.Slider(
+                1, 8, value=DEFAULT_K, step=1, label="Draft length K", info=f"drafts per round in {draft_modes(engine)}"
+            )
             temperature = gr.Slider(
                 0.0, MAX_TEMPERATURE, value=DEFAULT_TEMPERATURE, step=0.05, label="Temperature", info="0 = greedy"
             )
@@ -103,7 +105,8 @@ def create_ui(engine: EngineClient) -> Sidebar:
                 value=streaming.FORM_MAX_NEW_TOKENS,
                 step=8,
                 label="Max new tokens",
-                info="0 = until the model stops (within the context); a cut answer can be continued",
+                info=f"{streaming.UNCAPPED} = until the model stops (within the context);"
+                " a cut answer can be continued",
                 elem_id="max-new-tokens",
             )
             seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
@@ -129,11 +132,10 @@ def create_ui(engine: EngineClient) -> Sidebar:
     )
 
 
-def draft_length_for(mode: str) -> dict[str, Any]:
-    """The K slider takes input only for a mode whose drafts a request's K changes."""
-    return gr.update(interactive=MODES[mode].takes_k)
+def draft_modes(engine: EngineClient) -> str:
+    """The served modes whose drafts a request's K sets (the others choose their own)."""
+    return ", ".join(m for m in engine.modes if MODES[m].takes_k) or "no mode served here"
 
 
 def wire(demo: gr.Blocks, sidebar: Sidebar) -> None:
     demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
-    sidebar.mode.change(draft_length_for, sidebar.mode, sidebar.k, **streaming.BOOKKEEPING)

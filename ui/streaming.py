@@ -18,12 +18,12 @@ from engine.core.requests import DEFAULT_MAX_NEW_TOKENS, Request
 from engine.core.turns import PAGE, USER
 from ui.render import Turn
 
-# A streaming answer is redrawn at most this often (rounds in between are drawn together), its
-# live plot less often still: a browser re-renders the whole answer at every redraw, and on the
-# same CPU that is time taken from decoding (docs/benchmarks.md, "The chat in a browser").
 # The form's "Max new tokens" for no cap (the engine's None), and the form's default.
 UNCAPPED = 0
 FORM_MAX_NEW_TOKENS = UNCAPPED if DEFAULT_MAX_NEW_TOKENS is None else DEFAULT_MAX_NEW_TOKENS
+# A streaming answer is redrawn at most this often (rounds in between are drawn together), its
+# live plot less often still: a browser re-renders the whole answer at every redraw, and on the
+# same CPU that is time taken from decoding (docs/benchmarks.md, "The chat in a browser").
 REDRAW_S = 0.3
 PLOT_EVERY_S = 1.0
 # A handler waiting for the engine yields this often: Gradio can stop a handler only between yields.

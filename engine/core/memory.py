@@ -10,6 +10,7 @@ A fixed threshold keeps those buffers in their own mappings, returned when freed
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -71,7 +72,8 @@ _peak_base = 0
 def reset_peak_rss() -> None:
     """Start measuring the process's peak resident memory afresh (Linux: ``clear_refs``)."""
     global _peak_base
-    Path("/proc/self/clear_refs").write_text("5")
+    with contextlib.suppress(OSError):  # (not Linux: the peak since the process started)
+        Path("/proc/self/clear_refs").write_text("5")
     _peak_base = resident_bytes()
 
 
@@ -82,9 +84,10 @@ def peak_resident_bytes() -> int:
     return max(_status_bytes("VmHWM"), resident_bytes())
 
 
-def peak_resident_bytes_of(pid: int) -> int:
-    """Another process's peak resident memory since it started (a server a benchmark runs)."""
-    return _status_bytes("VmHWM", pid)
+def peak_resident_bytes_of(pid: int) -> int | None:
+    """Another process's peak resident memory since it started (a server a benchmark runs);
+    None where it cannot be read (the process is gone, or not Linux)."""
+    return _status_bytes("VmHWM", pid) or None
 
 
 def peak_rss_since() -> int:

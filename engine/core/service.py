@@ -295,9 +295,8 @@ class Engine:
     def generate(self, request: Request) -> Stream:
         """Stream the events of one request (see :class:`Stream` for how to stop it). A request
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
-        request = replace(
-            request, max_new_tokens=self._clients.limits.answer_cap(request.client, request.max_new_tokens)
-        )
+        capped = self._clients.limits.answer_cap(request.client, request.max_new_tokens, self.max_context)
+        request = replace(request, max_new_tokens=capped)
         try:
             prompt = self._checked(request)
             release = self._clients.admit(request.client)

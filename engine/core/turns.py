@@ -58,9 +58,10 @@ class ClientLimits:
         """The longest conversation ``client`` may send, in tokens (0: the server's own cap)."""
         return self.stranger_input_tokens if stranger(client) else 0
 
-    def answer_cap(self, client: str, asked: int | None) -> int | None:
-        """The answer length ``client`` gets for ``asked`` tokens (None: no cap)."""
-        cap = self.stranger_answer_tokens if stranger(client) else 0
+    def answer_cap(self, client: str, asked: int | None, context: int) -> int | None:
+        """The answer length ``client`` gets for ``asked`` tokens (None: no cap). A cap of the
+        limits' own stays within the model's ``context``: a caller is refused only for what it asked."""
+        cap = min(self.stranger_answer_tokens, context) if stranger(client) else 0
         if not cap:
             return asked
         return cap if asked is None else min(asked, cap)

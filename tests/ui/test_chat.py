@@ -23,7 +23,7 @@ from tests.test_decoding import idle, slowed
 from tests.ui.served import GREEDY, SlowEngine, ask, greedy_request, last_answer, serve, text
 from ui import streaming
 from ui.render import CONTINUE, footer_line
-from ui.sidebar import create_ui, draft_length_for
+from ui.sidebar import create_ui, draft_modes
 
 
 # -- streaming and metrics --------------------------------------------------------------------
@@ -179,10 +179,9 @@ def test_a_request_that_names_no_setting_gets_the_same_ones_from_the_page_the_ap
     assert asked[0].max_new_tokens is None and asked[0].mode == DEFAULT_MODE
 
 
-def test_the_draft_length_takes_input_only_where_the_mode_uses_it():
-    takes_k = {mode: draft_length_for(mode)["interactive"] for mode in MODES}
-    assert takes_k == {mode: mode in (ModeName.SPECULATIVE, ModeName.ADAPTIVE, ModeName.HYBRID) for mode in MODES}
-    assert not MODES[DEFAULT_MODE].takes_k  # best's K is its own
+def test_the_draft_length_names_the_modes_it_sets(engine):
+    assert draft_modes(engine) == "speculative, adaptive, hybrid"  # best and pld choose their own K
+    assert {m for m in MODES if MODES[m].takes_k} == {ModeName.SPECULATIVE, ModeName.ADAPTIVE, ModeName.HYBRID}
 
 
 # -- many users -------------------------------------------------------------------------------
