@@ -30,12 +30,12 @@ from typing import Protocol
 import numpy as np
 
 from benchmarks import llamacpp
-from benchmarks.report import add_output_arguments, write_text
+from benchmarks.report import add_output_arguments, peak_rss_gib, write_text
 from engine import report
 from engine.cli import CODING_PROMPTS
 from engine.core.budget import GIB
 from engine.core.chat import Message
-from engine.core.memory import peak_resident_bytes, peak_resident_bytes_of, reset_peak_rss
+from engine.core.memory import peak_resident_bytes, reset_peak_rss
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.runtime import Runtime
@@ -339,8 +339,8 @@ def peak_memory_gib(peers: dict[str, Peer]) -> dict[str, float]:
     ours = "ours with genai" if any(isinstance(peer, GenaiPeer) for peer in peers.values()) else "ours"
     peaks = {ours: peak_resident_bytes() / GIB}
     for mode, peer in peers.items():
-        if isinstance(peer, llamacpp.LlamaCppPeer) and (peak := peak_resident_bytes_of(peer.process.pid)):
-            peaks[mode] = peak / GIB
+        if isinstance(peer, llamacpp.LlamaCppPeer) and (peak := peak_rss_gib(peer.process.pid)):
+            peaks[mode] = peak
     return peaks
 
 

@@ -34,10 +34,8 @@ import numpy as np
 
 from benchmarks.bench import load_prompts
 from benchmarks.flood import FLOOD
-from benchmarks.report import add_output_arguments, write_text
+from benchmarks.report import add_output_arguments, peak_rss_gib, write_text
 from engine.cli import CODING_PROMPTS, free_port, is_loopback, run_cli
-from engine.core.budget import GIB
-from engine.core.memory import peak_resident_bytes_of
 from engine.errors import EngineError
 from engine.report import Column, markdown_table
 
@@ -345,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [p for _, p in load_prompts(args.prompts)][: args.users]
         with the_app(args.url, app_args) as (url, pid):
             tallies, phases = run(url, prompts, args.users, args.rounds, args.max_new_tokens, args.seconds, flood)
-            peak = peak_resident_bytes_of(pid) if pid else None
-            memory = f"\napp peak RSS: {peak / GIB:.1f} GiB" if peak else ""
+            peak = peak_rss_gib(pid)
+            memory = f"\napp peak RSS: {peak:.1f} GiB" if peak else ""
         table = markdown_table([asdict(t) for t in tallies], COLUMNS)
         table += "\n\n" + markdown_table(phases, PHASE_COLUMNS) + memory
         print(table)

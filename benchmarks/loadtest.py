@@ -24,11 +24,9 @@ from pathlib import Path
 
 from benchmarks.bench import load_prompts
 from benchmarks.chaos import last_text, said, the_app
-from benchmarks.report import Series, add_output_arguments, line_chart, percentile, write_text
+from benchmarks.report import Series, add_output_arguments, line_chart, peak_rss_gib, percentile, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.cluster import REPLICA_LOST
-from engine.core.budget import GIB
-from engine.core.memory import peak_resident_bytes_of
 from engine.errors import EngineError
 from engine.report import Column, markdown_table
 
@@ -253,8 +251,7 @@ def main(argv: list[str] | None = None, on_phase: Callable[[int], None] | None =
                         on_phase(users)
                     answers, took = run_phase(url, conversations[:users], args, together=True)
                 rows.append(summarize(users, answers, took, solo))
-                peak = peak_resident_bytes_of(pid) if pid else None
-                rows[-1]["peak_rss_gib"] = peak / GIB if peak else None
+                rows[-1]["peak_rss_gib"] = peak_rss_gib(pid)
                 print(markdown_table(rows[-1:], columns(rows)), flush=True)
         one = next((r for r in rows if r["users"] == 1), None)
         for row in rows:

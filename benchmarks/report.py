@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.core.budget import GIB
+from engine.core.memory import peak_resident_bytes_of
+
 
 def add_output_arguments(parser: argparse.ArgumentParser, json: Path | None = None, table: Path | None = None) -> None:
     """``--json`` and ``--table``: where a run's figures and its markdown table are written
@@ -60,3 +63,10 @@ def line_chart(series: Sequence[Series], out: Path, title: str, x_label: str, y_
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def peak_rss_gib(pid: int | None) -> float | None:
+    """A server's peak resident memory in GiB; None without a process of ours (an app at a URL
+    given) or where it cannot be read (gone)."""
+    peak = peak_resident_bytes_of(pid) if pid else None
+    return peak / GIB if peak else None
