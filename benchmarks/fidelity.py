@@ -338,6 +338,21 @@ def the_files_side(args: argparse.Namespace, reference_ir: Path, tokenizer: Any,
     return kept
 
 
+def _answer_with(args: argparse.Namespace, precision: str, items: list[Problem]) -> tuple[list[str], float]:
+    """``best``'s answers with the target at ``precision``, and its tokens/s over them; its engine
+    closed and freed on return (one target in memory at a time)."""
+    target_flag = {"target_precision": precision} if precision in PRECISIONS else {"target": precision}
+    target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), **target_flag}))
+    with Engine(target.path, draft.path) as engine:
+
+        def ours(problem: Problem) -> tuple[str, int, float]:
+            ids = engine.prompt_ids(Request(({"role": "user", "content": problem.question},)))
+            run = own_run(engine, problem.task_id, ids, "best", 4, ANSWER_TOKENS, "best")
+            return run.text, run.new_tokens, run.wall_s
+
+        return answer_all(ours, items, f"best {precision}")
+
+
 def _functional(
     args: argparse.Namespace, precisions: list[str], rows: dict[str, dict], items: list[Problem]
 ) -> dict[str, list[str]]:
@@ -345,17 +360,7 @@ def _functional(
     the answers by weights."""
     answers: dict[str, list[str]] = {}
     for precision in precisions:
-        target_flag = {"target_precision": precision} if precision in PRECISIONS else {"target": precision}
-        target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), **target_flag}))
-        engine = Engine(target.path, draft.path)
-
-        def ours(problem: Problem, engine: Engine = engine) -> tuple[str, int, float]:
-            ids = engine.prompt_ids(Request(({"role": "user", "content": problem.question},)))
-            run = own_run(engine, problem.task_id, ids, "best", 4, ANSWER_TOKENS, "best")
-            return run.text, run.new_tokens, run.wall_s
-
-        answers[precision], rows[precision]["tokens_per_s"] = answer_all(ours, items, f"best {precision}")
-        del engine, ours  # one target in memory at a time
+        answers[precision], rows[precision]["tokens_per_s"] = _answer_with(args, precision, items)
     if args.llamacpp:
         cache = cache_dir_from_args(args)
         tokenizer = auto_tokenizer(prepare_from_args(args)[0].path)

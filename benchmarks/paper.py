@@ -2,7 +2,8 @@
 
 1. the target drafting for itself at K=1: acceptance ~1 shows the mechanism is sound;
 2. autoregressive vs speculative at N=40 and N=100 new tokens, K from 1 to 8;
-3. the target at int8, int4 and fp16 (int4 draft), with KV-cache memory per model.
+3. the target at each precision (int4 draft), with KV-cache memory per model.
+Steps 1 and 2 run on the default target (the GGUF's own blocks for the embedded pair).
 Writes ``assets/paper_table.md`` and ``assets/paper_chart.png``.
 """
 
@@ -13,12 +14,18 @@ import sys
 from pathlib import Path
 
 from benchmarks.bench import add_prompt_arguments, load_prompts, run_bench, summarize
-from benchmarks.report import Series, line_chart, write_text
+from benchmarks.report import Series, line_chart, several_engines_limit, write_text
 from engine import report
 from engine.cli import ASSETS, run_cli
 from engine.core.service import Engine
-from engine.prepare.convert import Compression
-from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, draft_compression, prepare_one
+from engine.prepare.convert import PRECISIONS, Compression
+from engine.prepare.pipeline import (
+    DEFAULT_PRECISION,
+    add_model_arguments,
+    cache_dir_from_args,
+    draft_compression,
+    prepare_one,
+)
 from engine.report import Column, markdown_table
 
 
@@ -36,28 +43,30 @@ def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[di
     return rows
 
 
+def _setup(target: Path, draft: Path, prompts, ks: list[int], ns: list[int], label: str) -> list[dict]:
+    """One engine's rows, the engine closed and freed before the next one loads."""
+    with Engine(target, draft, memory_limit=several_engines_limit()) as engine:
+        return [row for n in ns for row in _rows(engine, prompts, ks, n, label)]
+
+
 def run_paper(args: argparse.Namespace) -> None:
     cache = cache_dir_from_args(args)
     prompts = load_prompts(args.prompts)[: args.limit or 2]
     draft = prepare_one(args.draft, draft_compression(), cache).path
-    targets = {p: prepare_one(args.target, Compression(p), cache).path for p in ("int4", "int8", "fp16")}
+    default = DEFAULT_PRECISION["target"]
+    precisions = [default, *(p for p in PRECISIONS if p != default)]
+    targets = {p: prepare_one(args.target, Compression(p), cache).path for p in precisions}
     rows: list[dict] = []
 
-    self_engine = Engine(targets["int4"], targets["int4"])
-    rows += _rows(self_engine, prompts, [1], 40, "target drafts for itself (int4)")
-    del self_engine
-
+    rows += _setup(targets[default], targets[default], prompts, [1], [40], f"target drafts for itself ({default})")
     for precision, target in targets.items():
-        engine = Engine(target, draft)
-        ks = list(range(1, 9)) if precision == "int4" else [4]
-        for n in (40, 100):
-            rows += _rows(engine, prompts, ks, n, f"target {precision}, draft int4")
-        del engine
+        ks = list(range(1, 9)) if precision == default else [4]
+        rows += _setup(target, draft, prompts, ks, [40, 100], f"target {precision}, draft int4")
 
     table = markdown_table(rows, COLUMNS)
     print(table)
     write_text(ASSETS / "paper_table.md", table + "\n")
-    _chart([r for r in rows if r["setup"] == "target int4, draft int4"], ASSETS / "paper_chart.png")
+    _chart([r for r in rows if r["setup"] == f"target {default}, draft int4"], ASSETS / "paper_chart.png", default)
     print(f"wrote {ASSETS / 'paper_table.md'} and {ASSETS / 'paper_chart.png'}")
 
 
@@ -69,7 +78,7 @@ COLUMNS = [
 ]
 
 
-def _chart(rows: list[dict], out: Path) -> None:
+def _chart(rows: list[dict], out: Path, precision: str) -> None:
     series = []
     for n, colour in ((40, "tab:blue"), (100, "tab:orange")):
         sd = [r for r in rows if r["n"] == n and r["mode"].startswith("sd")]
@@ -83,9 +92,8 @@ def _chart(rows: list[dict], out: Path) -> None:
             ),
             Series(f"autoregressive, N={n}", [], [ar["tokens_per_s"]], colour),
         ]
-    line_chart(
-        series, out, "Qwen2.5-Coder 1.5B int4 target, 0.5B int4 draft, 2 CPU cores", "draft length K", "tokens/s"
-    )
+    title = f"Qwen2.5-Coder 1.5B {precision} target, 0.5B int4 draft, 2 CPU cores"
+    line_chart(series, out, title, "draft length K", "tokens/s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,8 @@ import json
 import sys
 
 from benchmarks.bench import COLUMNS, Run, add_prompt_arguments, compare_to_ar, load_prompts, own_run, summarize
-from benchmarks.report import add_output_arguments, write_text
+from benchmarks.report import add_output_arguments, several_engines_limit, write_text
 from engine.cli import run_cli
-from engine.core.budget import machine_memory
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.service import Engine
@@ -33,7 +32,7 @@ def run_precisions(args: argparse.Namespace) -> None:
     for precision in args.precisions.split(","):
         target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "target_precision": precision}))
         # Each engine's budget counts the whole process, where every target is loaded.
-        engines[precision] = Engine(target.path, draft.path, memory_limit=int(machine_memory() * 0.8))
+        engines[precision] = Engine(target.path, draft.path, memory_limit=several_engines_limit())
     runs: list[Run] = []
     for prompt_id, prompt in load_prompts(args.prompts)[: args.limit]:
         for precision, engine in engines.items():

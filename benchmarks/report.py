@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.budget import GIB
+from engine.core.budget import GIB, machine_memory
 from engine.core.memory import peak_resident_bytes_of
 
 
@@ -63,6 +63,12 @@ def line_chart(series: Sequence[Series], out: Path, title: str, x_label: str, y_
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def several_engines_limit() -> int:
+    """The memory budget of an engine in a benchmark that loads several, in turn or side by side,
+    in one process: each engine's budget counts what the process holds, the others' models too."""
+    return int(machine_memory() * 0.8)
 
 
 def peak_rss_gib(pid: int | None) -> float | None:

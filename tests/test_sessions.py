@@ -5,6 +5,8 @@ the same prompt gets alone."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -166,3 +168,19 @@ def test_a_cache_loaded_with_copied_entries_computes_the_same_logits_as_one_that
     target.reset()
     opening.seed(Session(target, None, {}), prompt)
     assert np.array_equal(target.sync(prompt, rows=8), expected)
+
+
+def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(ir_target, ir_draft):
+    """A benchmark loads one engine after another in one process: the one closed must not hold its
+    models (each engine's budget counts what the process holds)."""
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    prompt = conversation(engine, "Sort a list.")
+    taken = engine.generate(Request(prompt_ids=tuple(prompt), mode="best", max_new_tokens=ANSWER))
+    engine.close()
+    answered = next(event for event in taken if event.final)
+    assert answered.kind == "done" and len(answered.token_ids) == ANSWER
+    refused = engine.run(Request(prompt_ids=tuple(prompt)))
+    assert refused.kind == "error" and "closed" in refused.error
+    models = [weakref.ref(engine.target), weakref.ref(engine.draft)]
+    del engine, taken
+    assert [model() for model in models] == [None, None]  # freed at once, not at a later collection

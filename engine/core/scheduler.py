@@ -135,6 +135,7 @@ class Scheduler:
         self._share = TimeShare(most_s=SLICE_S)
         self._firsts = 0  # first rounds run in a row, since the last shared work (worker thread only)
         self._busy = threading.Lock()
+        self.open = True  # False once closed: the worker ends when what it serves has ended
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
@@ -155,6 +156,16 @@ class Scheduler:
 
         self._jobs.put(job)
         return future.result()
+
+    def close(self) -> None:
+        """Take no more requests; return once the worker has ended, after the requests queued
+        before. It holds the models until then (an engine's memory is freed only after this)."""
+
+        def shut() -> None:
+            self.open = False
+
+        self.call(shut)
+        self._worker.join()
 
     def stuck(self, timeout: float) -> bool:
         """Whether the worker has stopped, or a request has made no progress for longer than
@@ -187,7 +198,7 @@ class Scheduler:
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
+        while self.open or self._serving or self._waiting:
             try:
                 self._admit()
                 with self._busy:

@@ -14,17 +14,18 @@ loaded, and a request is checked before it reaches the worker.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.core import chat
 from engine.core.budget import MemoryBudget, gib
-from engine.core.drafters import Drafter
+from engine.core.drafters import Drafter, Price
 from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import BatchPrices, Pacing, PassCosts
@@ -137,7 +138,9 @@ class Engine:
         self.sessions = SessionPool(
             self.target,
             self.draft,
-            self._drafters,
+            # (not a method of this engine: the pool would then hold the engine, and a closed
+            # engine's models would wait for the garbage collector's next cycle)
+            functools.partial(_drafters, self.modes, self.target.vocab_size, self.pacing.worth_copying),
             max_sessions or MAX_SESSIONS,
             chat.opening_ids(self.tokenizer),
             self.reader,
@@ -191,11 +194,6 @@ class Engine:
         """The memory budget as the process stands (room kept aside for a prompt reader's pass)."""
         reading = self.target.kv_bytes_per_token * RESIDENT_PER_READ_BYTE if self.reader is not None else 0
         return MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
-
-    def _drafters(self, draft: Runtime | None) -> dict[str, Drafter]:
-        """Every mode's drafter over one session's draft cache."""
-        parts = DrafterParts(self.target.vocab_size, draft, self.pacing.worth_copying)
-        return {name: build(parts) for name in self.modes if (build := MODES[name].drafter) is not None}
 
     # -- the worker -------------------------------------------------------------------------
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
@@ -297,6 +295,8 @@ class Engine:
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
         capped = self._clients.limits.answer_cap(request.client, request.max_new_tokens, self.max_context)
         request = replace(request, max_new_tokens=capped)
+        if not self.scheduler.open:
+            return Stream.refused("the engine is closed", request.mode)
         try:
             prompt = self._checked(request)
             release = self._clients.admit(request.client)
@@ -307,6 +307,17 @@ class Engine:
         stream = Stream(self.step_timeout, lambda: self.healthy, on_close=release)
         self.scheduler.submit(request, prompt, stream, release)
         return stream
+
+    def close(self) -> None:
+        """Serve no more: return once the requests taken are answered. The models are freed with
+        the engine then (a benchmark loads one engine after another in one process)."""
+        self.scheduler.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, request: Request) -> Event:
         """Generate to the end; return the final event."""
@@ -319,6 +330,12 @@ class Engine:
         """Empty every session's KV caches (worker thread only)."""
         for session in self.sessions.sessions:
             session.reset()
+
+
+def _drafters(modes: Sequence[str], vocab_size: int, price: Price, draft: Runtime | None) -> dict[str, Drafter]:
+    """Every mode's drafter over one session's draft cache."""
+    parts = DrafterParts(vocab_size, draft, price)
+    return {name: build(parts) for name in modes if (build := MODES[name].drafter) is not None}
 
 
 def _stop_ids(ir_dir: Path, tokenizer: Any) -> set[int]:
