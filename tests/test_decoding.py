@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -166,6 +167,37 @@ def target_outcomes(target, prompt: list[int], params: SamplingParams, n: int, d
 
 
 WARPED = SamplingParams(temperature=0.7, top_p=0.9)
+DRAWS, OUTCOME = 3000, 3  # the chi-square test's runs, and the tokens of each outcome
+
+
+def chi_square_prompt(tok) -> list[int]:
+    return tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
+
+
+@pytest.fixture(scope="module")
+def draft_samples(pair, tok) -> Callable[[SamplingParams], dict[tuple, int]]:
+    """The draft model's own outcomes by sampling setting, counted once for every drafter kind:
+    what the chi-square test must tell apart from the target's (its power)."""
+    model = pair[1]
+    counted: dict[SamplingParams, dict[tuple, int]] = {}
+
+    def samples(params: SamplingParams) -> dict[tuple, int]:
+        if params not in counted:
+            counts: dict[tuple, int] = {}
+            for seed in range(DRAWS):
+                tokens, _ = run(
+                    model.runtime,
+                    None,
+                    chi_square_prompt(tok),
+                    speculative=False,
+                    max_new_tokens=OUTCOME,
+                    sampling=replace(params, seed=seed),
+                )
+                counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+            counted[params] = counts
+        return counted[params]
+
+    return samples
 
 
 @pytest.mark.parametrize(
@@ -174,7 +206,7 @@ WARPED = SamplingParams(temperature=0.7, top_p=0.9)
     + [("model", WARPED, False), ("hybrid", WARPED, False), ("hybrid", SamplingParams(1.0), True)]
     + [("pool", SamplingParams(1.0), True), ("pool", WARPED, True)],
 )
-def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, paced, monkeypatch):
+def test_sampled_tokens_follow_the_target_distribution(pair, tok, draft_samples, kind, params, paced):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
     The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
@@ -182,15 +214,15 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, 
     Paced, the round after that is a plain step (the pacer measures both kinds). The n-gram pool
     proposes after any token (each id follows the one before it), the target's greedy answer
     where it learned it."""
-    target, model = pair
+    target, _ = pair
     drafter = make_drafter(kind, pair)
-    prompt = tok.encode(PROMPTS[1] + " fox fox")  # a repeated n-gram gives prompt lookup a match
+    prompt = chi_square_prompt(tok)
     pool = None
     if kind == "pool":
         pool = NgramPool(target.vocab_size, n=1)
         pool.learn([*range(target.vocab_size), 0])
         pool.learn(prompt + run(target, None, prompt, speculative=False, max_new_tokens=8)[0])
-    draws, n = 3000, 3
+    draws, n = DRAWS, OUTCOME
     sd_counts: dict[tuple, int] = {}
     drafted = 0
     for seed in range(draws):
@@ -201,12 +233,6 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, 
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
     assert drafted >= draws, "every run should have drafted in its second round"
-    draft_counts: dict[tuple, int] = {}
-    for seed in range(draws):
-        tokens, _ = run(
-            model.runtime, None, prompt, speculative=False, max_new_tokens=n, sampling=replace(params, seed=seed)
-        )
-        draft_counts[tuple(tokens)] = draft_counts.get(tuple(tokens), 0) + 1
 
     target.reset()
     outcomes = target_outcomes(target, prompt, params, n, draws)
@@ -220,7 +246,7 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, kind, params, 
         return scipy_stats.chisquare(observed, expected).pvalue
 
     assert p_value(sd_counts) > 0.01
-    assert p_value(draft_counts) < 1e-6
+    assert p_value(draft_samples(params)) < 1e-6
 
 
 def test_a_stop_token_ends_the_answer_with_nothing_after_it(pair, tok):
