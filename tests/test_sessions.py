@@ -5,6 +5,7 @@ the same prompt gets alone."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import numpy as np
@@ -12,10 +13,12 @@ import pytest
 
 from engine.core import chat
 from engine.core.pacing import Pacing
-from engine.core.requests import Request
+from engine.core.requests import Request, Stream
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
+from engine.core.scheduler import CLOSED
 from engine.core.service import Engine
 from engine.core.sessions import CONTINUES, Opening, Session
+from engine.errors import EngineError
 
 ANSWER = 16
 
@@ -181,6 +184,18 @@ def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(
     assert answered.kind == "done" and len(answered.token_ids) == ANSWER
     refused = engine.run(Request(prompt_ids=tuple(prompt)))
     assert refused.kind == "error" and "closed" in refused.error
+    late, released = Stream(1.0, lambda: True), []  # a request that passed the engine's check as it closed
+    engine.scheduler.submit(
+        Request(), engine.prompt(Request(prompt_ids=tuple(prompt))), late, lambda: released.append(1)
+    )
+    assert [event.error for event in late] == [CLOSED] and released
+    with pytest.raises(EngineError, match="closed"):
+        engine.with_models(lambda target, draft: None)
+    engine.close()  # (closed already: nothing to wait for)
     models = [weakref.ref(engine.target), weakref.ref(engine.draft)]
-    del engine, taken
-    assert [model() for model in models] == [None, None]  # freed at once, not at a later collection
+    gc.disable()  # freed at once, not at the collector's next cycle
+    try:
+        del engine, taken
+        assert [model() for model in models] == [None, None]
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ requests touch the KV caches at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import queue
@@ -49,6 +50,7 @@ SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (a prompt'
 # With per-client limits, a client's second request at once starts only while more than this many
 # places are free: they are kept for clients with nothing running.
 RESERVED = 2
+CLOSED = "the engine is closed"  # what a request or a tool job gets after close()
 log = logging.getLogger("specchat.engine")
 
 
@@ -135,14 +137,23 @@ class Scheduler:
         self._share = TimeShare(most_s=SLICE_S)
         self._firsts = 0  # first rounds run in a row, since the last shared work (worker thread only)
         self._busy = threading.Lock()
-        self.open = True  # False once closed: the worker ends when what it serves has ended
+        # False once closed: no request or tool job is taken, the worker ends when those taken end.
+        # Taking one and closing hold the gate, so none is taken that the worker would never see.
+        self.accepting = True
+        self._gate = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
     def submit(self, request: Request, prompt: Prompt, stream: Stream, release: Callable[[], None]) -> None:
         """Queue a checked request; its events go to ``stream``, and ``release`` uncounts it for
-        its client when it ends."""
-        self._jobs.put(_Job(request, prompt.ids, stream, Stats(request.mode), release, spoken=prompt.spoken))
+        its client when it ends (at once, with an error event, if the scheduler is closed)."""
+        job = _Job(request, prompt.ids, stream, Stats(request.mode), release, spoken=prompt.spoken)
+        with self._gate:
+            if self.accepting:
+                self._jobs.put(job)
+                return
+        release()
+        stream.put(Event(EventKind.ERROR, error=CLOSED, metrics=job.stats.snapshot()))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread, after the queued work, and return its result."""
@@ -154,17 +165,23 @@ class Scheduler:
             except BaseException as exc:  # handed back to the caller's thread
                 future.set_exception(exc)
 
-        self._jobs.put(job)
+        with self._gate:
+            if not self.accepting:
+                raise EngineError(CLOSED)
+            self._jobs.put(job)
         return future.result()
 
     def close(self) -> None:
         """Take no more requests; return once the worker has ended, after the requests queued
-        before. It holds the models until then (an engine's memory is freed only after this)."""
+        before. It holds the models until then (an engine's memory is freed only after this).
+        Closing a closed scheduler does nothing."""
 
         def shut() -> None:
-            self.open = False
+            with self._gate:
+                self.accepting = False
 
-        self.call(shut)
+        with contextlib.suppress(EngineError):  # (closed already)
+            self.call(shut)
         self._worker.join()
 
     def stuck(self, timeout: float) -> bool:
@@ -198,7 +215,7 @@ class Scheduler:
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
-        while self.open or self._serving or self._waiting:
+        while self.accepting or self._serving or self._waiting:
             try:
                 self._admit()
                 with self._busy:

@@ -33,7 +33,7 @@ from engine.core.pool import Pools
 from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import CLOSED, Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
 from engine.errors import EngineError
@@ -295,8 +295,8 @@ class Engine:
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
         capped = self._clients.limits.answer_cap(request.client, request.max_new_tokens, self.max_context)
         request = replace(request, max_new_tokens=capped)
-        if not self.scheduler.open:
-            return Stream.refused("the engine is closed", request.mode)
+        if not self.scheduler.accepting:
+            return Stream.refused(CLOSED, request.mode)
         try:
             prompt = self._checked(request)
             release = self._clients.admit(request.client)
