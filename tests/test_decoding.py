@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round, decode
+from engine.core.decoding import DecodeConfig, Decoder, Provenance, Round
 from engine.core.drafters import SINK, HybridDrafter, LookupDrafter, ModelDrafter
 from engine.core.metrics import Stats
 from engine.core.pacing import (
@@ -32,6 +32,7 @@ from engine.core.pool import NgramPool
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
+from tests.serving import serve
 
 PROMPTS = [
     "def add(a, b):",
@@ -73,12 +74,9 @@ def _reset(drafter) -> None:
             runtime.reset()
 
 
-def run(target, drafter, prompt, **cfg) -> tuple[list[int], Stats]:
-    target.reset()
-    _reset(drafter)
-    stats = Stats("test")
-    tokens = [t for r in decode(target, drafter, prompt, DecodeConfig(**cfg), stats) for t in r.tokens]
-    return tokens, stats
+def run(target, drafter, prompt, **cfg):
+    """The answer to ``prompt`` and its final metrics, served by the engine's scheduler."""
+    return serve(target, drafter, prompt, **cfg)
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
@@ -130,13 +128,15 @@ def test_a_guess_changes_the_draft_passes_never_the_drafts(pair, tok):
 
 def test_rejected_tokens_leave_no_trace_in_kv_cache(pair, tok):
     target, drafter = pair
-    target.reset()
-    drafter.runtime.reset()
-    context = tok.encode(PROMPTS[0])
-    for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=30), Stats("t")):
-        context = context + round_.tokens
+    rounds = []
+
+    def check(context: list[int]) -> None:
+        rounds.append(len(context))
         assert target.tokens == context[: len(target.tokens)] and len(target.tokens) >= len(context) - 1
         assert drafter.runtime.tokens == context[: len(drafter.runtime.tokens)]
+
+    _, stats = run(target, drafter, tok.encode(PROMPTS[0]), k=4, max_new_tokens=30, on_round=check)
+    assert len(rounds) == stats.rounds > 1 and stats.drafted > stats.accepted
 
 
 def test_logits_after_trim_equal_a_fresh_run(pair, tok):
@@ -209,8 +209,8 @@ def draft_samples(pair, tok) -> Callable[[SamplingParams], dict[tuple, int]]:
 def test_sampled_tokens_follow_the_target_distribution(pair, tok, draft_samples, kind, params, paced):
     """Chi-square over three-token outcomes: speculative samples fit the target's p, the draft's do not.
 
-    The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2,
-    so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
+    The first token comes from the prompt's own step; with 4 new tokens the next round drafts 2
+    (all its length leaves), so tokens 2 and 3 come out of the accept/reject rule (accepted drafts, corrections, bonus).
     Paced, the round after that is a plain step (the pacer measures both kinds). The n-gram pool
     proposes after any token (each id follows the one before it), the target's greedy answer
     where it learned it."""
@@ -228,7 +228,7 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tok, draft_samples,
     for seed in range(draws):
         sampling, pacing = replace(params, seed=seed), Pacing() if paced else None
         tokens, stats = run(
-            target, drafter, prompt, k=2, max_new_tokens=n + 1, sampling=sampling, pacing=pacing, pool=pool
+            target, drafter, prompt, k=4, max_new_tokens=n + 1, sampling=sampling, pacing=pacing, pool=pool
         )
         sd_counts[tuple(tokens[:n])] = sd_counts.get(tuple(tokens[:n]), 0) + 1
         drafted += stats.drafted
@@ -668,17 +668,16 @@ def test_a_windowed_draft_sees_a_bounded_view_and_the_answer_stays_exact(pair, t
     prompt = tok.encode(" ".join(PROMPTS * 8))[:100]  # the tiny model's context is 256
     assert len(prompt) > SINK + 2 * 16
     expected, _ = run(target, None, prompt, speculative=False, max_new_tokens=40)
-    context = list(prompt)
-    target.reset()
-    drafter.runtime.reset()
     cuts = []
-    for round_ in decode(target, drafter, context, DecodeConfig(k=4, max_new_tokens=40), Stats("t")):
-        context += round_.tokens
+
+    def check(context: list[int]) -> None:
         view = drafter.cut_view(context)
         assert len(view) <= SINK + 3 * 16 and view[:SINK] == context[:SINK] and view[-16:] == context[-16:]
         assert drafter.runtime.tokens == view[: len(drafter.runtime.tokens)]  # what it caches is the view's prefix
         cuts.append(len(context) - len(view) + SINK)
-    assert context[len(prompt) :] == expected
+
+    tokens, _ = run(target, drafter, prompt, k=4, max_new_tokens=40, on_round=check)
+    assert tokens == expected
     moves = [i for i in range(1, len(cuts)) if cuts[i] != cuts[i - 1]]
     assert moves and all(cuts[b] - cuts[a] >= 2 * 16 for a, b in zip([0, *moves], moves))  # not every window
 

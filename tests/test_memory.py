@@ -3,18 +3,21 @@ inside the engine's budget: long prompts on a tiny model whose context holds tho
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine.core.budget import HEADROOM, MemoryBudget
+from engine.core.budget import ANSWER_BLOCK, HEADROOM, MemoryBudget
 from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
 from engine.core.reader import RESIDENT_PER_READ_BYTE
 from engine.core.reading import READ_PASS
-from engine.core.requests import Request
-from engine.core.runtime import EXACT_CONFIG
+from engine.core.requests import Event, Request
+from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.scheduler import OUT_OF_MEMORY
 from engine.core.service import Engine
 
 
@@ -105,12 +108,80 @@ def test_the_input_cap_follows_from_the_memory_budget(small_budget_engine):
     assert event.kind == "error" and "memory limit" in event.error and f"{engine.max_input_tokens:,}" in event.error
 
 
-def test_a_request_beyond_the_budget_is_refused_at_once_and_the_engine_keeps_serving(small_budget_engine):
+def _answer(stream) -> tuple[Event, str]:
+    """A stream's final event and the text it streamed."""
+    events = list(stream)
+    return events[-1], "".join(e.text for e in events if e.kind == "delta")
+
+
+def test_a_question_without_a_length_is_admitted_with_room_for_its_prompt_and_a_block(small_budget_engine):
+    """Admission reserves the prompt and the next block of its answer, not the whole context
+    (8,192 tokens here, four times the room): no request that fits is refused."""
     engine = small_budget_engine
-    stream = engine.generate(Request(prompt_ids=_prompt(1500, 300), mode="autoregressive", max_new_tokens=600))
-    assert "memory limit" in stream.refusal and "2,100 tokens" in stream.refusal
+    assert engine.max_context > 4 * ROOM_TOKENS
+    stream = engine.generate(Request(prompt_ids=_prompt(50, 300, seed=9), mode="autoregressive"))
+    assert not stream.refusal
+    first = next(stream)
+    assert first.kind == "delta" and first.token_ids
+    stream.cancel()
+    final = next(e for e in stream if e.final)
+    assert final.kind == "done" and final.metrics["finish_reason"] == "cancelled"
+
+
+def test_an_answer_the_budget_cannot_hold_ends_with_length_and_says_memory_ran_out(small_budget_engine, monkeypatch):
+    """Its reservation grows a block at a time; where the room holds no more, the answer ends with
+    finish reason length and a line that says why, its caches within the room, and the engine
+    keeps serving."""
+    engine = small_budget_engine
+    monkeypatch.setattr(engine.scheduler, "stop_ids", frozenset())  # (the tiny model would end its turn)
+    final, text = _answer(engine.generate(Request(prompt_ids=_prompt(1500, 300, seed=10), mode="autoregressive")))
+    assert final.kind == "done" and final.metrics["finish_reason"] == "length", final.error
+    assert text.endswith(OUT_OF_MEMORY) and "memory ran out" in OUT_OF_MEMORY
+    assert 1500 + ANSWER_BLOCK <= 1500 + len(final.token_ids) <= ROOM_TOKENS
+    assert engine.budget.bytes_held(engine.sessions.kv_cache_bytes) <= engine.budget.room
     event = engine.run(Request(prompt_ids=_prompt(1000, 300), mode="autoregressive", max_new_tokens=4))
     assert event.kind == "done" and len(event.token_ids) == 4
+
+
+def test_a_growing_answer_holds_back_a_newcomer_still_reading_which_then_gets_its_own_answer(
+    small_budget_engine, monkeypatch, caplog
+):
+    """Two requests fit when the second arrives; as the first answer grows, the second, still
+    reading its long prompt, is held back (its caches freed), then read again and answered once the
+    first has ended: the same answer it gets alone."""
+    engine = small_budget_engine
+    monkeypatch.setattr(engine.scheduler, "stop_ids", frozenset())
+    newcomer = Request(
+        prompt_ids=_prompt(1300, 300, seed=11), mode="autoregressive", max_new_tokens=8, reuse_cache=False
+    )
+    alone = engine.run(newcomer).token_ids
+    forward = Runtime.forward
+
+    def slow_reading(self, new_tokens, rows=1):  # a long prompt's passes as a big model's
+        if len(new_tokens) > 1:
+            time.sleep(0.4)
+        return forward(self, new_tokens, rows)
+
+    monkeypatch.setattr(Runtime, "forward", slow_reading)
+    with caplog.at_level(logging.INFO, logger="specchat.engine"):
+        growing = engine.generate(Request(prompt_ids=_prompt(100, 300, seed=12), mode="autoregressive"))
+        late = engine.generate(newcomer)
+        (first, text), (second, _) = _answer(growing), _answer(late)
+    assert first.metrics["finish_reason"] == "length" and text.endswith(OUT_OF_MEMORY)
+    assert second.kind == "done" and second.token_ids == alone
+    assert "held back" in caplog.text
+
+
+def test_two_questions_without_a_length_are_served_together_within_a_small_budget(small_budget_engine):
+    engine = small_budget_engine
+    streams = [engine.generate(Request(prompt_ids=_prompt(60, 300, seed=s), mode="autoregressive")) for s in (13, 14)]
+    assert not any(stream.refusal for stream in streams)
+    firsts = [next(stream) for stream in streams]
+    assert all(event.kind == "delta" for event in firsts)
+    for stream in streams:
+        stream.cancel()
+    finals = [next(e for e in stream if e.final) for stream in streams]
+    assert all(final.metrics["peak_sharing"] == 2 for final in finals)
 
 
 def test_an_idle_conversations_cache_is_dropped_to_admit_a_request_that_needs_its_memory(small_budget_engine):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.core.decoding import DecodeConfig, decode
 from engine.core.drafters import ModelDrafter
-from engine.core.metrics import Stats
 from engine.core.runtime import DRAFT_CONFIG, EXACT_CONFIG, MAX_MASKED, TARGET_CONFIG, Runtime
+from tests.serving import serve
 
 
 def _record_widths(runtime: Runtime) -> list[int]:
@@ -46,8 +45,7 @@ def test_speculative_prefills_the_prompt_alone_then_verifies_at_most_k_plus_one(
     try:
         drafter = ModelDrafter(Runtime(ir_draft, config=DRAFT_CONFIG))
         prompt = list(range(5, 60))
-        target.reset()
-        list(decode(target, drafter, prompt, DecodeConfig(k=4, max_new_tokens=30), Stats("t")))
+        serve(target, drafter, prompt, k=4, max_new_tokens=30)
     finally:
         del target.forward
     assert sizes[0] == len(prompt) and all(1 <= s <= 5 for s in sizes[1:])

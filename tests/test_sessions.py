@@ -6,6 +6,8 @@ the same prompt gets alone."""
 from __future__ import annotations
 
 import gc
+import logging
+import time
 import weakref
 
 import numpy as np
@@ -199,3 +201,22 @@ def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(
         assert [model() for model in models] == [None, None]
     finally:
         gc.enable()
+
+
+def test_closing_cancels_what_the_engine_still_holds_after_its_timeout_and_says_so(ir_target, ir_draft, caplog):
+    """One request running at a big model's pace, one waiting behind it (one session)."""
+    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    forward = engine.target.forward
+    engine.target.forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]  # (a big model's pace)
+    prompt = conversation(engine, "Sort a list.")
+    running = engine.generate(Request(prompt_ids=tuple(prompt), mode="autoregressive", max_new_tokens=200))
+    waiting = engine.generate(Request(prompt_ids=tuple(prompt), mode="autoregressive", max_new_tokens=200))
+    first = next(running)
+    assert first.kind == "delta", first.error
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="specchat.engine"):
+        engine.close(timeout=0.5)
+    assert time.monotonic() - start < 5.0
+    finals = [next(event for event in stream if event.final) for stream in (running, waiting)]
+    assert [final.metrics["finish_reason"] for final in finals] == ["cancelled", "cancelled"]
+    assert "cancelled" in caplog.text and "closing" in caplog.text

@@ -4,10 +4,16 @@ A server's memory goes to the models (fixed once loaded), to the KV caches of th
 keeps (they grow with their length) and to what a pass holds while it runs (its attention scores
 grow with its width times the context). The budget is a limit for the whole process
 (``--memory-limit``; by default :data:`DEFAULT_SHARE` of the machine's memory); what the loaded
-models leave of it, less :data:`HEADROOM`, is the room for caches. A request is admitted only while
-the caches it may need fit in that room beside the others': idle conversations' caches are dropped
-first (least recently used), then it waits for a running request to end, and one that could not
-fit even alone is refused at once, its message naming the limit. A batch's rows are padded to the
+models leave of it, less :data:`HEADROOM`, is the room for caches.
+
+Room is reserved as an answer grows, the way vLLM allocates KV blocks on demand: a request is
+admitted with room for its prompt and the next :data:`ANSWER_BLOCK` tokens of its answer (no more
+than its cap allows), and its reservation grows by a block at a time as it writes. Where the room
+cannot hold a growing answer, idle conversations' caches are dropped first (least recently used),
+then the longest request not yet answering is held back (its caches freed, read again when it
+resumes), and last the answer ends with finish reason ``length`` and a line saying that memory ran
+out. A newcomer waits while the reservations leave no room for it; only a prompt that could not
+fit even alone is refused, at once, its message naming the limit. A batch's rows are padded to the
 longest, so a row joins only while the padded batch fits (docs/design.md, "Memory"). A prompt
 reader's pass grows the process with the cache it reads into (its output, a copy, and its
 scratch): room for reading the longest conversation is kept aside.
@@ -29,6 +35,9 @@ HEADROOM = 768 * 2**20
 # context beside them, as a long prompt read into the default target shows (docs/benchmarks.md,
 # "Memory").
 RESIDENT_PER_CACHED_BYTE = 1.5
+# Tokens of answer a request's reservation grows by: room for a few seconds of rounds, reserved at
+# once (a round adds at most MAX_K + 1 tokens).
+ANSWER_BLOCK = 256
 GIB = 2**30  # memory is counted and shown in GiB
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": GIB, "T": 2**40}
 
@@ -94,6 +103,12 @@ class MemoryBudget:
         longest conversation."""
         return max(0, self._free - self.tokens * self.reading_per_token)
 
+    @staticmethod
+    def reservation(context: int, most: int) -> int:
+        """The tokens reserved for a request whose context is ``context`` tokens: those and the
+        next :data:`ANSWER_BLOCK`, within the ``most`` its caches can hold."""
+        return min(most, context + ANSWER_BLOCK)
+
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.per_token
 
@@ -103,13 +118,13 @@ class MemoryBudget:
         return self._free // max(1, self.per_token + self.reading_per_token)
 
     def check(self, tokens: int, what: str) -> None:
-        """Refuse a request whose caches may grow to ``tokens`` where the room cannot hold them
-        even with nothing else cached."""
+        """Refuse a request whose first reservation, ``tokens``, the room cannot hold even with
+        nothing else cached."""
         if tokens > self.tokens:
             raise EngineError(
                 f"{what} needs room for {tokens:,} tokens of KV cache (about {gib(self.bytes_for(tokens))}); "
                 f"this server's memory limit of {gib(self.limit)} leaves room for {self.tokens:,} "
-                f"beside its models ({gib(self.base)}). Shorten the conversation or ask for a shorter answer."
+                f"beside its models ({gib(self.base)}). Shorten the conversation."
             )
 
     def describe(self) -> str:

@@ -321,34 +321,6 @@ class Decoder:
         return round_
 
 
-def decode(
-    target: Runtime, drafter: Drafter | None, prompt: Sequence[int], config: DecodeConfig, stats: Stats
-) -> Iterator[Round]:
-    """Yield the tokens of each round until a stop token, the token budget or the context limit,
-    on the request's own caches: one request alone, start to end (the tests' reference; the
-    service's scheduler runs a :class:`Decoder` in slices of its own)."""
-    decoder = Decoder(target, drafter, prompt, config, stats)
-    if not _until_cancelled(decoder.prefill(), config):
-        stats.finish_reason = FinishReason.CANCELLED
-        return
-    decoder.finish_if_full()
-    while not decoder.done:
-        if not _until_cancelled(decoder.catch_up(), config):
-            stats.finish_reason = FinishReason.CANCELLED
-            return
-        yield decoder.round()
-
-
-def _until_cancelled(passes: Iterator[int], config: DecodeConfig) -> bool:
-    """Run a prefill's ``passes`` (a long prompt, in chunks), reporting progress and checking for
-    a cancel between them: False if the request was cancelled."""
-    for _ in passes:
-        config.progress()
-        if config.cancelled():
-            return False
-    return not config.cancelled()
-
-
 def _target_logits(target: Runtime, tokens: list[int], rows: int, stats: Stats) -> np.ndarray:
     start = time.perf_counter()
     logits = target.sync(tokens, rows)

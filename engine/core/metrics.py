@@ -105,6 +105,7 @@ class Stats:
             "accepted": self.accepted,
             "acceptance_rate": acceptance,
             "target_passes": self.target_passes,
+            "rounds": self.rounds,
             "plain_rounds": self.plain_rounds,
             "pool_drafted": self.pool_drafted,
             "pool_accepted": self.pool_accepted,

@@ -75,11 +75,12 @@ class Request:
         if self.answer_ids and not self.messages:
             raise EngineError("answer_ids continue an answer to messages: send the messages too")
 
-    def tokens_held(self, prompt: Sequence[int], max_context: int) -> int:
-        """The most tokens this request's caches may hold: its prompt and its whole answer."""
+    def tokens_at_most(self, prompt_tokens: int, max_context: int) -> int:
+        """The most tokens this request's caches can hold: its prompt and its whole answer (the
+        context bounds an answer without a cap)."""
         if self.max_new_tokens is None:
             return max_context
-        return min(len(prompt) + self.max_new_tokens, max_context)
+        return min(prompt_tokens + self.max_new_tokens, max_context)
 
 
 def _in_range(name: str, value: object, low: float, high: float, integer: bool = False, low_open: bool = False) -> None:

@@ -51,6 +51,16 @@ SLICE_ROUND = 32  # a slice's width is a multiple of this many tokens (a prompt'
 # places are free: they are kept for clients with nothing running.
 RESERVED = 2
 CLOSED = "the engine is closed"  # what a request or a tool job gets after close()
+# Seconds close() waits for the requests it holds to end before it cancels them.
+CLOSE_TIMEOUT = 60.0
+# A request's reservation grows once fewer than this many of its tokens are left: more than any
+# round adds (MAX_K + 1, or a lookup copy's span + 1).
+ROUND_ROOM = 64
+# What an answer that the memory budget could hold no longer ends with.
+OUT_OF_MEMORY = (
+    "\n\n*(The answer stops here: the server's memory ran out. Ask again when fewer people are chatting, "
+    "or start the server with a larger --memory-limit.)*"
+)
 log = logging.getLogger("specchat.engine")
 
 
@@ -71,6 +81,7 @@ class _Job:
     out: list[int] = field(default_factory=list)
     side_s: float = 0.0  # seconds of the worker it had to itself while others generated
     spoken: tuple[tuple[int, int], ...] = ()  # the prompt's answers (chat.Prompt.spoken)
+    reserved: int = 0  # tokens of cache the memory budget holds for it (engine.core.budget)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
@@ -141,6 +152,7 @@ class Scheduler:
         # Taking one and closing hold the gate, so none is taken that the worker would never see.
         self.accepting = True
         self._gate = threading.Lock()
+        self._abandon = threading.Event()  # set by close() once its timeout has passed: cancel what is held
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
@@ -171,10 +183,11 @@ class Scheduler:
             self._jobs.put(job)
         return future.result()
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Take no more requests; return once the worker has ended, after the requests queued
-        before. It holds the models until then (an engine's memory is freed only after this).
-        Closing a closed scheduler does nothing."""
+        before, or after ``timeout`` seconds cancels those still held (logged; each ends with
+        finish reason ``cancelled``). It holds the models until then (an engine's memory is freed
+        only after this). Closing a closed scheduler does nothing."""
 
         def shut() -> None:
             with self._gate:
@@ -182,7 +195,11 @@ class Scheduler:
 
         with contextlib.suppress(EngineError):  # (closed already)
             self.call(shut)
-        self._worker.join()
+        self._worker.join(timeout)
+        if self._worker.is_alive():
+            log.warning("closing: the requests still held after %.0f s are cancelled", timeout)
+            self._abandon.set()
+            self._worker.join()
 
     def stuck(self, timeout: float) -> bool:
         """Whether the worker has stopped, or a request has made no progress for longer than
@@ -217,6 +234,9 @@ class Scheduler:
     def _work(self) -> None:
         while self.accepting or self._serving or self._waiting:
             try:
+                if self._abandon.is_set():
+                    self._cancel_held()
+                self._grow_reservations()
                 self._admit()
                 with self._busy:
                     self._progress_at = time.monotonic()
@@ -249,8 +269,19 @@ class Scheduler:
             if not self._make_room_for(job):
                 self._waiting.put_back(job)
                 return
+            job.reserved = self._reservation(job, len(job.prompt))
             running[job.client] += 1
             self._start(job)
+
+    def _cancel_held(self) -> None:
+        """Cancel every request served or waiting (each ends with finish reason ``cancelled``)."""
+        self._collect(block=False)
+        waiting = self._waiting.drop(lambda j: True)
+        for job in [*self._serving, *waiting]:
+            job.stream.cancel()
+            log.warning("request %s cancelled: the engine is closing", job.request_id)
+        for job in waiting:
+            self._finish(job, FinishReason.CANCELLED)
 
     def _collect(self, block: bool) -> None:
         """Put the requests that arrived in line, and run the tool jobs among them in turn."""
@@ -301,23 +332,101 @@ class Scheduler:
         self._guard([job], start)
 
     def _make_room_for(self, job: _Job) -> bool:
-        """Whether the caches ``job`` may grow to fit in the memory budget beside the others',
-        after dropping idle conversations' caches (least recently used first; never the one it
-        continues). A cancelled job starts (and ends) at once."""
+        """Whether the room ``job`` is first reserved (its prompt and a block of its answer) fits in
+        the memory budget beside what the others hold and have reserved, after dropping idle
+        conversations' caches (least recently used first; never the one it continues). A
+        cancelled job starts (and ends) at once."""
         if job.cancelled:
             return True
-        busy = [j.session for j in self._serving if j.session is not None]
-        keep = self.sessions.continued(job.prompt, busy)
-        need = job.request.tokens_held(job.prompt, self.target.max_context) * self.budget.per_token
+        keep = self.sessions.continued(job.prompt, self._busy_sessions())
+        need = self.budget.bytes_for(self._reservation(job, len(job.prompt)))
         need -= self.budget.bytes_held(keep.kv_cache_bytes) if keep is not None else 0  # (already held)
-        idle = [s for s in self.sessions.idle(busy) if s is not keep]
+        fits = self._evict_idle_until(lambda: self._committed() + need <= self.budget.room, keep)
+        return fits or not self._serving  # (alone it fits: Engine.check refused what does not)
 
-        def fits() -> bool:
-            return self.budget.bytes_held(self._cache_bytes()) + need <= self.budget.room
+    def _grow_reservations(self) -> None:
+        """Grow the reservation of every request whose answer nears its end by a block, oldest
+        request first. Where the room cannot hold it: idle conversations' caches are dropped, then
+        the longest requests not yet answering are held back, then it takes what its next rounds
+        need, and last the answer ends (engine.core.budget)."""
+        for job in list(self._serving):
+            if job not in self._serving or job.decoder is None:
+                continue
+            context = len(job.decoder.context)
+            least = min(job.request.tokens_at_most(len(job.prompt), self.target.max_context), context + ROUND_ROOM)
+            if job.reserved >= least:
+                continue
+            before, job.reserved = job.reserved, self._reservation(job, context)
+            if self._evict_idle_until(self._within_room):
+                continue
+            for newcomer in sorted(self._newcomers(job), key=lambda j: j.reserved, reverse=True):
+                self._hold_back(newcomer)
+                if self._within_room():
+                    break
+            else:
+                job.reserved = least
+                if not self._within_room():
+                    job.reserved = before
+                    self._out_of_memory(job)
 
+    def _reservation(self, job: _Job, context: int) -> int:
+        most = job.request.tokens_at_most(len(job.prompt), self.target.max_context)
+        return self.budget.reservation(context, most)
+
+    def _within_room(self) -> bool:
+        return self._committed() <= self.budget.room
+
+    def _committed(self) -> int:
+        """Bytes of the room in use or reserved: every cache as held, and what the requests served
+        have reserved beyond what their caches hold now."""
+        ahead = sum(max(0, job.reserved - self._tokens_held(job)) for job in self._serving)
+        return self.budget.bytes_held(self._cache_bytes()) + self.budget.bytes_for(ahead)
+
+    def _tokens_held(self, job: _Job) -> int:
+        """Tokens ``job``'s target cache holds now: its batch row's, or its own cache's."""
+        row = next((row for row in self._batch.rows if row.key == job.key), None)
+        if row is not None:
+            return len(row.tokens)
+        return len(job.session.target.tokens) if job.session is not None else 0
+
+    def _busy_sessions(self) -> list[Session]:
+        return [j.session for j in self._serving if j.session is not None]
+
+    def _evict_idle_until(self, fits: Callable[[], bool], keep: Session | None = None) -> bool:
+        """Drop idle conversations' caches, least recently used first (never ``keep``), until
+        ``fits()``; whether it does."""
+        idle = [s for s in self.sessions.idle(self._busy_sessions()) if s is not keep]
         while not fits() and idle:
             idle.pop(0).release()
-        return not self._serving or fits()  # (alone it fits: Engine.check refused what does not)
+        return fits()
+
+    def _newcomers(self, growing: _Job) -> list[_Job]:
+        """Requests served that have written no answer yet and hold room (not ``growing``)."""
+        return [j for j in self._serving if j is not growing and j.stats.new_tokens == 0 and j.reserved]
+
+    def _hold_back(self, job: _Job) -> None:
+        """Put a request that has not started answering back in line, its caches freed: it reads
+        its prompt again when there is room (its client still counts it as running)."""
+        if job.key in self._batch:
+            self._batch.leave(job.key, write_back=False)
+        self._serving.remove(job)
+        if job.session is not None:
+            job.session.release()
+        job.session = job.decoder = job.prefill = job.detok = job.stops = None
+        job.reserved = 0
+        self._waiting.put_back(job)
+        log.info("request %s held back: the memory budget holds a growing answer first", job.request_id)
+
+    def _out_of_memory(self, job: _Job) -> None:
+        """End an answer the room can no longer hold, with finish reason ``length`` and a line
+        that says why."""
+        log.warning(
+            "request %s ended at %d tokens: the memory budget holds no more (%s)",
+            job.request_id,
+            job.stats.new_tokens,
+            self.budget.describe(),
+        )
+        self._end_text(job, FinishReason.LENGTH, OUT_OF_MEMORY)
 
     def _cache_bytes(self) -> int:
         """What every KV cache holds: the conversations' and the batch's rows (padded to the longest)."""
@@ -340,11 +449,14 @@ class Scheduler:
         ]
 
     def _fits(self) -> Callable[[Sequence[planning.Seat]], bool]:
-        """Whether rows fit the memory budget together, each padded to the widest, beside the
-        caches of the conversations not generating."""
-        going = [j.session for j in self._serving if j.prefill is None and j.stats.rounds > 0]
-        others = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is g for g in going))
-        room = self.budget.room - self.budget.bytes_held(others)
+        """Whether rows fit the memory budget together, each padded to the widest, beside what the
+        requests not generating hold and have reserved; idle conversations' caches count as free
+        (:meth:`_together` drops them as :meth:`_make_room_for` does)."""
+        going = [j for j in self._serving if j.prefill is None and j.stats.rounds > 0]
+        others = [j for j in self._serving if j not in going]
+        held = sum(j.session.kv_cache_bytes for j in others if j.session is not None)
+        ahead = sum(max(0, j.reserved - self._tokens_held(j)) for j in others)
+        room = self.budget.room - self.budget.bytes_held(held) - self.budget.bytes_for(ahead)
         per_token = self.target.kv_bytes_per_token
         return lambda rows: len(rows) * self.budget.bytes_held(max(r.context for r in rows) * per_token) <= room
 
@@ -438,6 +550,15 @@ class Scheduler:
         keys = {j.key for j in jobs}
         for row in [row for row in self._batch.rows if row.key not in keys]:
             self._batch.leave(row.key)
+        padded = len(jobs) * max(len(j.decoder.context) for j in jobs if j.decoder is not None)
+        rows = self.budget.bytes_held(padded * self.target.kv_bytes_per_token)
+
+        def room_for_rows() -> bool:  # (the rows' own caches are freed as they join)
+            homes = [j.session for j in jobs]
+            held = sum(s.kv_cache_bytes for s in self.sessions.sessions if not any(s is h for h in homes))
+            return self.budget.bytes_held(held) + rows <= self.budget.room
+
+        self._evict_idle_until(room_for_rows)
         joining = [j for j in jobs if j.key not in self._batch]
         for job in joining:
             assert job.decoder is not None and job.session is not None
@@ -477,11 +598,17 @@ class Scheduler:
         elif job.cancelled:
             self._finish(job, FinishReason.CANCELLED)
         elif job.decoder.done:
-            tail, stopped = job.stops.push(job.detok.flush())
-            tail += "" if stopped else job.stops.flush()
-            if tail:
-                self._put(job, Event(EventKind.DELTA, tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
-            self._finish(job, FinishReason.STOP if stopped else job.stats.finish_reason)
+            self._end_text(job, job.stats.finish_reason)
+
+    def _end_text(self, job: _Job, reason: FinishReason, note: str = "") -> None:
+        """End an answer that stopped between rounds: the text still held back (a partial
+        character, a possible stop string's start), then ``note``, then its last event."""
+        assert job.detok is not None and job.stops is not None
+        tail, stopped = job.stops.push(job.detok.flush())
+        tail += "" if stopped else job.stops.flush() + note
+        if tail:
+            self._put(job, Event(EventKind.DELTA, tail, [(tail, Provenance.TARGET.value)], job.stats.snapshot()))
+        self._finish(job, FinishReason.STOP if stopped else reason)
 
     def _finish(self, job: _Job, reason: FinishReason, error: str = "") -> None:
         """End a request: its batch row goes back to its own cache, its last event is sent."""

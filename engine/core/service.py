@@ -33,7 +33,7 @@ from engine.core.pool import Pools
 from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
-from engine.core.scheduler import CLOSED, Scheduler
+from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
 from engine.errors import EngineError
@@ -245,7 +245,8 @@ class Engine:
     def _checked(self, request: Request) -> chat.Prompt:
         request.check(self.modes, self.max_context)
         prompt = self.prompt(request)
-        self.budget.check(request.tokens_held(prompt.ids, self.max_context), "this request")
+        most = request.tokens_at_most(len(prompt.ids), self.max_context)
+        self.budget.check(self.budget.reservation(len(prompt.ids), most), "this request")
         return prompt
 
     def prompt_ids(self, request: Request) -> list[int]:
@@ -308,10 +309,11 @@ class Engine:
         self.scheduler.submit(request, prompt, stream, release)
         return stream
 
-    def close(self) -> None:
-        """Serve no more: return once the requests taken are answered. The models are freed with
-        the engine then (a benchmark loads one engine after another in one process)."""
-        self.scheduler.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Serve no more: return once the requests taken are answered, or after ``timeout``
+        seconds once those still held are cancelled (the log says which). The models are freed
+        with the engine then (a benchmark loads one engine after another in one process)."""
+        self.scheduler.close(timeout)
 
     def __enter__(self) -> Engine:
         return self
