@@ -20,7 +20,7 @@ from engine.core import graph
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, PrepareError
 
-EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
 # on this CPU that cuts a decode step by a quarter against the plugin's default of 32
 # (docs/design.md, "Dynamic quantization group size").
