@@ -11,6 +11,8 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+from engine.ggml import GGML_LINEAR
+
 
 def slice_logits(model: ov.Model) -> None:
     """Add a ``logits_to_keep`` input: only the last N rows go through the vocabulary
@@ -29,8 +31,10 @@ def slice_logits(model: ov.Model) -> None:
 
 
 def lm_head(model: ov.Model) -> ov.Node:
+    """The vocabulary projection: a MatMul, or ggml's GgmlLinear (engine.ggml); its input 0
+    is the hidden state, its input 1 the weight."""
     node = model.output("logits").get_node().input_value(0).get_node()
-    while node.get_type_name() != "MatMul":
+    while node.get_type_name() not in ("MatMul", GGML_LINEAR):
         node = node.input_value(0).get_node()
     return node
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from engine import manifest
+from engine import ggml, manifest
 from engine.core import graph
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, PrepareError
+from engine.ggml import GGML_XML
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
@@ -86,8 +87,13 @@ class Runtime:
         masked_rollback: bool = False,
         pass_width: int = 1,
         first_token_alone: bool = False,
+        kernels: Path | None = None,
     ):
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
+
+        ``kernels``: the GgmlLinear op's library (engine.prepare.kernels): the IR's graph whose
+        linear layers run ggml's kernels on the GGUF's own blocks is read (engine.prepare.ggml_ir)
+        instead of the one the plugin's kernels run.
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
         copying the cache. For the draft, copying every state out and back in costs about a third
@@ -112,6 +118,10 @@ class Runtime:
         core = core or ov.Core()
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"
+        self.kernels = "openvino"
+        if kernels is not None:  # (the IR's graph whose linear layers run ggml's kernels)
+            ggml.register(core, kernels)
+            xml, self.kernels = self.ir_dir / GGML_XML, "ggml"
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
@@ -124,7 +134,7 @@ class Runtime:
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
-        self.label = model_label(self.ir_dir, hf_config)
+        self.label = model_label(self.ir_dir, hf_config) + (" · ggml kernels" if self.kernels == "ggml" else "")
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
         self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +39,7 @@ from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
 from engine.errors import EngineError
+from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
@@ -52,6 +55,9 @@ INPUT_SHARE = 0.75
 MAX_CHARS_PER_TOKEN = 16
 # Tokens of answer the input cap leaves room for in the memory budget.
 MIN_ANSWER_ROOM = 256
+# What computes the models' linear layers: the OpenVINO plugin's kernels, ggml's on the GGUF's
+# own blocks (engine.ggml), or the faster of the two on this machine, per model.
+KERNELS = ("auto", "openvino", "ggml")
 log = logging.getLogger("specchat.engine")
 
 
@@ -73,6 +79,8 @@ class Engine:
         shared_pool: bool = False,
         prompt_reader: str = "auto",
         batch_speculation: bool = True,
+        kernels: str = "openvino",
+        library: Path | None = None,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -90,24 +98,37 @@ class Engine:
         and uses it where it reads faster, in the fastest precision, and where the budget holds its
         weights beside the full input cap; ``off``: the target's own passes). ``batch_speculation``:
         requests served together verify their copies in the batched pass (else plain batched
-        steps). The two models must share one vocabulary (``engine.prepare`` checks it)."""
+        steps). ``kernels``: what computes the linear layers (:data:`KERNELS`: the plugin's, or
+        ggml's on the GGUF's own blocks through the op in ``library``, where a model's IR has a
+        graph with it; ``auto`` times both per model and keeps the faster). The two models must
+        share one vocabulary (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
         before = resident_bytes()
-        self.target = Runtime(
-            Path(target_dir), device, TARGET_CONFIG if config is None else config, first_token_alone=True
+        target_config = TARGET_CONFIG if config is None else config
+        self.target = on_kernels(
+            lambda lib: Runtime(Path(target_dir), device, target_config, first_token_alone=True, kernels=lib),
+            Path(target_dir),
+            kernels,
+            library,
         )
         self.target.warm_up()
         target_bytes = resident_bytes() - before  # (what a prompt reader, a copy of it, would hold too)
         self.draft = (
-            Runtime(
+            on_kernels(
+                lambda lib: Runtime(
+                    Path(draft_dir),
+                    device,
+                    DRAFT_CONFIG if draft_config is None else draft_config,
+                    vocab_limit=draft_vocab,
+                    masked_rollback=True,
+                    pass_width=DRAFT_PASS_WIDTH,
+                    kernels=lib,
+                ),
                 Path(draft_dir),
-                device,
-                DRAFT_CONFIG if draft_config is None else draft_config,
-                vocab_limit=draft_vocab,
-                masked_rollback=True,
-                pass_width=DRAFT_PASS_WIDTH,
+                kernels,
+                library,
             )
             if draft_dir
             else None
@@ -351,3 +372,43 @@ def _stop_ids(ir_dir: Path, tokenizer: Any) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
+
+
+def on_kernels(build: Callable[[Path | None], Runtime], ir_dir: Path, choice: str, library: Path | None) -> Runtime:
+    """The runtime of the model in ``ir_dir`` on the kernels ``choice`` names (:data:`KERNELS`):
+    ``build(library)`` makes it on ggml's, ``build(None)`` on the plugin's. ``auto`` times a plain
+    step on each and keeps the faster (logged); a model without a graph on ggml's kernels (one not
+    from a GGUF file) runs the plugin's."""
+    if choice not in KERNELS:
+        raise EngineError(f"unknown kernels '{choice}': choose one of {', '.join(KERNELS)}")
+    on_ggml = library is not None and (ir_dir / GGML_XML).exists()
+    if choice == "ggml" and not on_ggml:
+        raise EngineError(f"{ir_dir.name}: ggml's kernels run a model prepared from a GGUF file (or the embedded one)")
+    if choice == "openvino" or not on_ggml:
+        return build(None)
+    if choice == "ggml":
+        return build(library)
+    candidates = [build(None), build(library)]
+    times = [plain_step_seconds(runtime) for runtime in candidates]
+    kept = candidates[times.index(min(times))]
+    log.info(
+        "kernels for %s: %s (a plain step: %s)",
+        ir_dir.name,
+        kept.kernels,
+        ", ".join(f"{r.kernels} {1000 * t:.1f} ms" for r, t in zip(candidates, times)),
+    )
+    candidates.clear()
+    return_freed_buffers()
+    return kept
+
+
+def plain_step_seconds(runtime: Runtime, context: int = 64, steps: int = 8) -> float:
+    """The median time of a plain step after ``context`` tokens (the cache given back after)."""
+    runtime.forward(list(range(1, context + 1)))
+    times = []
+    for _ in range(steps + 2):  # (the first two set up the step's shapes)
+        start = time.perf_counter()
+        runtime.forward([1])
+        times.append(time.perf_counter() - start)
+    runtime.release()
+    return statistics.median(times[2:])

@@ -155,6 +155,18 @@ def gguf_name(ir_name: str) -> str | None:
     return f"blk.{parts[i + 1]}.{short}.weight" if short else None
 
 
+def permuted_heads(reader: gguf.GGUFReader) -> dict[str, int]:
+    """The heads of each projection whose rows llama.cpp's converter permuted (a llama file's
+    query and key), for :func:`unpermute`; none for other architectures."""
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    if architecture != "llama":
+        return {}
+    return {
+        "q_proj": int(reader.fields["llama.attention.head_count"].parts[-1][0]),
+        "k_proj": int(reader.fields["llama.attention.head_count_kv"].parts[-1][0]),
+    }
+
+
 def unpermute(name: str, rows: int, heads: dict[str, int]) -> np.ndarray | None:
     """The row order that undoes llama.cpp's Q/K permutation for a llama GGUF (transformers' GGUF
     loader undoes it the same way), or None where the file keeps the model's order."""
@@ -196,13 +208,7 @@ def rewrite(
     """Replace ``model``'s fp16 weights by the file's blocks in place; count what was done by type.
     A progress bar goes to ``progress`` where given."""
     tensors = {t.name: t for t in reader.tensors}
-    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    heads = {}
-    if architecture == "llama":
-        heads = {
-            "q_proj": int(reader.fields["llama.attention.head_count"].parts[-1][0]),
-            "k_proj": int(reader.fields["llama.attention.head_count_kv"].parts[-1][0]),
-        }
+    heads = permuted_heads(reader)
     done: Counter[str] = Counter()
     weights = [
         (node, tensors[key])

@@ -1,0 +1,197 @@
+"""One layer three ways, in one run: the GgmlLinear op inside an OpenVINO graph, the plugin's
+compressed FullyConnected on the same blocks (the `gguf` form prepare writes today) and ggml's own
+mul_mat, at 1 and 5 rows.
+
+    python -m benchmarks.ggml_probe [--layers 56] [--reps 20] [--json OUT] [--table OUT]
+
+The weights are the default target's own ffn_up and ffn_gate (1536 -> 8960, Q4_K), cycled through
+enough layers that they come from DRAM as in a decode step (their bytes against the L3 cache are
+printed). Each way computes all the layers one after another on as many threads as the machine has
+cores; the time per layer is that over the layer count, the best of ``--reps``. Each way's rows
+are checked against the op's: ggml's bit for bit, the plugin's within its rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import openvino as ov
+from openvino import opset13 as ops
+
+from benchmarks import llamacpp
+from benchmarks.report import add_output_arguments, write_text
+from engine import ggml
+from engine.cli import run_cli
+from engine.core.runtime import TARGET_CONFIG
+from engine.prepare import gguf_blocks, kernels
+from engine.prepare.embedded import DEFAULT_TARGET
+from engine.prepare.pipeline import cache_dir_from_args, log
+from engine.report import Column, markdown_table
+
+ROWS = (1, 5)
+COLUMNS = [
+    Column("kernel", "kernel"),
+    *(Column(f"ms at {m} row{'s' * (m > 1)}", f"ms_{m}", "{:.3f}") for m in ROWS),
+    *(Column(f"x ggml at {m}", f"vs_ggml_{m}", "{:.2f}") for m in ROWS),
+]
+
+
+def layer_weights(path: Path, layers: int) -> list[gguf.ReaderTensor]:
+    """Up to ``layers`` of the file's ffn_up and ffn_gate weights stored as Q4_K."""
+    found = [
+        t
+        for t in gguf.GGUFReader(path).tensors
+        if t.name.endswith(("ffn_up.weight", "ffn_gate.weight")) and t.tensor_type == gguf.GGMLQuantizationType.Q4_K
+    ]
+    if not found:
+        raise SystemExit(f"{path} has no Q4_K ffn_up/ffn_gate weights")
+    return [found[i % len(found)] for i in range(layers)]
+
+
+def blocks(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor's rows as the GGUF stores them: u8 [rows, bytes per row]."""
+    return np.ascontiguousarray(np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1))
+
+
+def timed(compiled: ov.CompiledModel, x: np.ndarray, reps: int) -> tuple[float, np.ndarray]:
+    """Seconds per call, best of ``reps``, and the first output."""
+    request = compiled.create_infer_request()
+    for _ in range(3):
+        request.infer({0: x})
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        request.infer({0: x})
+        best = min(best, time.perf_counter() - start)
+    return best, request.get_output_tensor(0).data.copy()
+
+
+def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path) -> ov.Model:
+    x = ops.parameter([-1, k], ov.Type.f32)
+    outs = [ggml.linear(x.output(0), blocks(t), int(t.tensor_type), library) for t in weights]
+    return ov.Model(outs, [x])
+
+
+def plugin_model(weights: list[gguf.ReaderTensor], k: int) -> ov.Model:
+    """Today's `gguf` form: u4 codes with f16 scales and zero points per 32, a MatMul the plugin
+    fuses into its compressed FullyConnected."""
+    x = ops.parameter([-1, k], ov.Type.f32)
+    outs = []
+    for t in weights:
+        decoded = gguf_blocks.decode(t)
+        assert decoded is not None
+        w = gguf_blocks.subgraph(decoded, [int(t.shape[1]), k], ov.Type.f32)
+        outs.append(ops.matmul(x, w, False, True))
+    return ov.Model(outs, [x])
+
+
+def ggml_library(ops_library: Path) -> ctypes.CDLL:
+    """benchmarks/ggml_probe.cpp against the kernels' own ggml (built next to them, once)."""
+    out = ops_library.parent / "libggml_probe.so"
+    source = Path(__file__).with_suffix(".cpp")
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        command = ["c++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", str(source)]
+        command += [f"-I{ops_library.parent / 'include'}", "-o", str(out)]
+        command += [str(ops_library.parent / "libggml-cpu.a"), str(ops_library.parent / "libggml-base.a"), "-lpthread"]
+        subprocess.run(command, check=True)
+    library = ctypes.CDLL(str(out))
+    library.ggml_mul_mat_ms.restype = ctypes.c_double
+    return library
+
+
+def ggml_mul_mat(
+    library: ctypes.CDLL, weights: list[np.ndarray], kind: int, x: np.ndarray, reps: int
+) -> tuple[float, np.ndarray]:
+    """ggml's own mul_mat over ``weights``: seconds per layer and the first layer's output."""
+    m, k = x.shape
+    n = weights[0].shape[0]
+    pointers = (ctypes.c_void_p * len(weights))(*[w.ctypes.data for w in weights])
+    y = np.empty((m, n), np.float32)
+    ms = library.ggml_mul_mat_ms(
+        pointers,
+        len(weights),
+        ctypes.c_int64(k),
+        ctypes.c_int64(n),
+        kind,
+        np.ascontiguousarray(x, np.float32).ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+        ctypes.c_int64(m),
+        os.cpu_count() or 1,
+        reps,
+        y.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+    )
+    return ms / 1000, y
+
+
+def l3_bytes() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    return int(size[:-1]) * 1024 if size.endswith("K") else int(size)
+
+
+def probe(args: argparse.Namespace) -> None:
+    cache = cache_dir_from_args(args)
+    library = kernels.library(cache, log)
+    weights = layer_weights(llamacpp.gguf_file(DEFAULT_TARGET, cache), args.layers)
+    k = int(weights[0].shape[0])
+    raw = [blocks(t) for t in weights]
+    megabytes = sum(w.nbytes for w in raw) / 1e6
+    print(f"{len(raw)} layers of {raw[0].shape[0]}x{k} Q4_K: {megabytes:.0f} MB, L3 {l3_bytes() / 1e6:.0f} MB")
+    core = ov.Core()
+    ggml.register(core, library)
+    compiled = {
+        "GgmlLinear op (OpenVINO graph)": core.compile_model(op_model(weights, k, library), "CPU", TARGET_CONFIG),
+        "plugin compressed FC (gguf form)": core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
+    }
+    probe_library = ggml_library(library)
+    rng = np.random.default_rng(0)
+    rows: dict[str, dict] = {name: {"kernel": name} for name in [*compiled, "ggml mul_mat (its own graph)"]}
+    checks: dict[str, bool | float] = {}
+    for m in ROWS:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        outputs = {}
+        for name, model in compiled.items():
+            seconds, outputs[name] = timed(model, x, args.reps)
+            rows[name][f"ms_{m}"] = 1000 * seconds / len(raw)
+        seconds, outputs["ggml"] = ggml_mul_mat(probe_library, raw, int(weights[0].tensor_type), x, args.reps)
+        rows["ggml mul_mat (its own graph)"][f"ms_{m}"] = 1000 * seconds
+        ours = outputs["GgmlLinear op (OpenVINO graph)"]
+        plugin = outputs["plugin compressed FC (gguf form)"]
+        checks[f"op == ggml bit for bit at {m} rows"] = bool(np.array_equal(ours, outputs["ggml"]))
+        checks[f"op against ggml, largest difference at {m} rows"] = float(np.abs(ours - outputs["ggml"]).max())
+        checks[f"op against the plugin, largest difference relative to the largest output at {m} rows"] = float(
+            np.abs(ours - plugin).max() / np.abs(plugin).max()
+        )
+        if m > 1:
+            alone = timed(compiled["GgmlLinear op (OpenVINO graph)"], x[:1], 1)[1]
+            checks[f"op's first row at {m} rows == at 1 row"] = bool(np.array_equal(ours[:1], alone))
+    for row in rows.values():
+        for m in ROWS:
+            row[f"vs_ggml_{m}"] = row[f"ms_{m}"] / rows["ggml mul_mat (its own graph)"][f"ms_{m}"]
+    text = markdown_table(list(rows.values()), COLUMNS) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in checks.items())
+    print(text)
+    write_text(args.table, text + "\n")
+    write_text(args.json, json.dumps({"rows": list(rows.values()), "checks": checks, "layers": len(raw)}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ggml_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=56, help="weights cycled through (56: every ffn_up and ffn_gate)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per way and width (the best is kept)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="the models' cache (default: the app's)")
+    add_output_arguments(parser)
+    return run_cli(lambda: probe(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

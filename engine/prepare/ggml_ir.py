@@ -1,0 +1,77 @@
+"""A prepared model's IR with ggml's kernels: every linear layer and the head whose weight the
+GGUF holds become GgmlLinear nodes on the file's own rows (engine.ggml), stored once in the
+IR's weights. The rest of the graph (attention over the stateful KV cache, RoPE, norms, the
+embedding gather) stays OpenVINO's. Written beside the IR it comes from, once per model."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import openvino as ov
+
+from engine import ggml
+from engine.ggml import GGML_XML
+from engine.prepare import disk, gguf_blocks, kernels, sources
+from engine.prepare.pipeline import PreparedModel, local_source, log
+from engine.prepare.sources import Kind
+
+
+def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path) -> Counter[str]:
+    """Replace ``model``'s linear layers by the op on ``reader``'s rows in place; count what was
+    done by type. A layer whose rows the file does not hold in that shape keeps its weight."""
+    tensors = {t.name: t for t in reader.tensors}
+    heads = gguf_blocks.permuted_heads(reader)
+    done: Counter[str] = Counter()
+    for node in [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"]:
+        attributes = node.get_attributes()
+        weight = node.get_friendly_name().split("/")[0] + ".weight"  # (the export names it by module)
+        name = gguf_blocks.gguf_name(weight)
+        if name is None or attributes["transpose_a"] or not attributes["transpose_b"]:
+            continue
+        tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
+        shape = node.get_input_partial_shape(1)
+        if tensor is None or shape.is_dynamic or [d.get_length() for d in shape] != [tensor.shape[1], tensor.shape[0]]:
+            done["kept (not in the file)"] += 1
+            continue
+        rows = np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1)
+        order = gguf_blocks.unpermute(weight, rows.shape[0], heads)
+        if order is not None:
+            rows = rows[order]
+        node.output(0).replace(ggml.linear(node.input_value(0), rows, int(tensor.tensor_type), library))
+        done[tensor.tensor_type.name] += 1
+    model.validate_nodes_and_infer_types()
+    return done
+
+
+def write(ir: Path, gguf_path: Path, library: Path, log: Callable[[str], None]) -> Path:
+    """``ir``'s graph with ggml's kernels, written beside it once (under the entry's lock)."""
+    xml = ir / GGML_XML
+    if xml.exists():
+        return xml
+    with disk.exclusive(ir, "ggml", log) as scratch:
+        if xml.exists():
+            return xml
+        model = ov.Core().read_model(ir / "openvino_model.xml")
+        done = rewrite(model, gguf.GGUFReader(gguf_path), library)
+        log(f"{ir.name}: linear layers on ggml's kernels: " + ", ".join(f"{n} {k}" for k, n in sorted(done.items())))
+        ov.save_model(model, scratch / GGML_XML, compress_to_fp16=False)
+        del model
+        (scratch / GGML_XML).with_suffix(".bin").replace(xml.with_suffix(".bin"))
+        (scratch / GGML_XML).replace(xml)
+    return xml
+
+
+def for_model(model: PreparedModel, cache_dir: Path) -> Path | None:
+    """The op's library where ``model`` came from a GGUF and its ggml graph is written (building
+    both on first use), else None: a model from a Hugging Face folder or an IR has no blocks of
+    its own to run."""
+    source = sources.resolve(model.source)
+    if source.kind not in (Kind.GGUF, Kind.EMBEDDED):
+        return None
+    library = kernels.library(cache_dir, log)
+    write(model.path, local_source(source, cache_dir).local, library, log)
+    return library

@@ -1,0 +1,157 @@
+"""The GgmlLinear op: ggml's CPU kernels inside an OpenVINO graph, on weights kept in their GGUF
+blocks (the library is built for this machine on first use, a few minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import openvino as ov
+import pytest
+from openvino import opset13 as ops
+
+from engine import ggml
+from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.service import Engine
+from engine.errors import EngineError
+from engine.ggml import GGML_XML
+from engine.prepare import ggml_ir, kernels
+from engine.prepare.convert import Compression
+from engine.prepare.pipeline import default_cache_dir, prepare_one
+from tests.gguf_writer import write_gguf
+from tests.serving import serve
+from tests.test_decoding import PROMPTS
+from tests.tiny import TOKENS
+
+Q = gguf.GGMLQuantizationType
+K, N = 512, 48
+
+
+def random_rows(kind: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Rows of ``kind`` blocks: quantized by gguf-py where it can, else random codes with small
+    f16 scales (a valid block of any K-quant)."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    try:
+        return gguf.quants.quantize(weight, kind).view(np.uint8).reshape(rows, -1)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        scales = rng.uniform(1e-4, 2e-3, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+        if kind == Q.Q6_K:  # d is the block's last two bytes
+            raw[..., -2:] = scales[..., :2]
+        else:  # d and dmin lead the block
+            raw[..., :4] = scales
+        return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    """The op for this machine (built into the app's cache on first use, as prepare does)."""
+    return kernels.library(default_cache_dir(), print)
+
+
+def compiled(library: Path, rows: np.ndarray, kind: Q, threads: int = 0) -> ov.CompiledModel:
+    core = ov.Core()
+    ggml.register(core, library)
+    x = ops.parameter([-1, K], ov.Type.f32)
+    model = ov.Model([ggml.linear(x.output(0), rows, int(kind), library)], [x])
+    return core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.F16])
+def test_the_op_multiplies_by_the_weight_its_blocks_hold(library, kind):
+    rows = random_rows(kind, N, K, seed=1)
+    weight = gguf.quants.dequantize(rows, kind).reshape(N, K).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((5, K)).astype(np.float32)
+    got = compiled(library, rows, kind)({0: x})[0]
+    expected = x @ weight.T
+    # (the activations are quantized to 8 bits per block, as llama.cpp does)
+    assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()
+
+
+def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(library):
+    rows = random_rows(Q.Q4_K, N, K, seed=3)
+    x = np.random.default_rng(4).standard_normal((17, K)).astype(np.float32)
+    model = compiled(library, rows, Q.Q4_K)
+    alone = np.concatenate([model({0: x[i : i + 1]})[0] for i in range(len(x))])
+    for width in (2, 5, 17):
+        together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
+        np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(compiled(library, rows, Q.Q4_K, threads=1)({0: x})[0], alone)
+
+
+def test_a_graph_with_the_op_is_saved_and_read_back(library, tmp_path):
+    rows = random_rows(Q.Q8_0, N, K, seed=5)
+    x = ops.parameter([1, -1, K], ov.Type.f32)
+    model = ov.Model([ggml.linear(x.output(0), rows, int(Q.Q8_0), library)], [x])
+    ov.save_model(model, tmp_path / "op.xml", compress_to_fp16=False)
+    core = ov.Core()
+    ggml.register(core, library)
+    read = core.compile_model(core.read_model(tmp_path / "op.xml"), "CPU")
+    inputs = np.random.default_rng(6).standard_normal((1, 3, K)).astype(np.float32)
+    assert read({0: inputs})[0].shape == (1, 3, N)
+    np.testing.assert_array_equal(read({0: inputs})[0], core.compile_model(model, "CPU")({0: inputs})[0])
+
+
+def test_a_row_length_that_does_not_match_the_blocks_is_refused_with_a_clear_message(library):
+    rows = random_rows(Q.Q8_0, N, K, seed=7)
+    x = ops.parameter([-1, K + 32], ov.Type.f32)
+    with pytest.raises(RuntimeError, match="bytes of q8_0"):
+        ggml.linear(x.output(0), rows, int(Q.Q8_0), library)
+
+
+@pytest.fixture(scope="module")
+def gguf_target(hf_target, tiny_dir, tiny_cache, library) -> Path:
+    """The tiny target written as a Q8_0 GGUF, prepared as prepare does (its blocks kept), with
+    its graph on ggml's kernels beside."""
+    folder = tiny_dir / "gguf-ggml"
+    folder.mkdir(exist_ok=True)
+    file = write_gguf(hf_target, folder / "tiny-Q8_0.gguf", Q.Q8_0)
+    entry = prepare_one(str(file), Compression("gguf"), tiny_cache).path
+    ggml_ir.write(entry, file, library, print)
+    return entry
+
+
+def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_target):
+    model = ov.Core().read_model(gguf_target / "openvino_model.xml")
+    layers = sum(n.get_type_name() == "MatMul" and n.get_attributes()["transpose_b"] for n in model.get_ordered_ops())
+    core = ov.Core()
+    ggml.register(core, kernels.library(default_cache_dir(), print))
+    graph = core.read_model(gguf_target / GGML_XML)
+    assert sum(n.get_type_name() == ggml.GGML_LINEAR for n in graph.get_ordered_ops()) == layers > 0
+
+
+def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):
+    """Within what quantizing the activations to 8 bits per block moves (llama.cpp does the same),
+    the argmax unchanged."""
+    plugin = Runtime(gguf_target, config=EXACT_CONFIG).forward(TOKENS, rows=len(TOKENS))
+    ours = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library).forward(TOKENS, rows=len(TOKENS))
+    assert np.abs(ours - plugin).max() <= 0.05 * np.abs(plugin).max()
+    assert (ours.argmax(-1) == plugin.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_autoregressive_on_ggml_kernels(gguf_target, library, pair, tok, k):
+    """A row's result does not depend on the pass's width, so verifying K drafts computes what K
+    plain steps compute: exact, through the scheduler users get."""
+    target = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library)
+    _, drafter = pair
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ar, _ = serve(target, drafter, prompt, speculative=False, max_new_tokens=30)
+        sd, stats = serve(target, drafter, prompt, k=k, max_new_tokens=30)
+        assert sd == ar and stats.drafted > 0
+
+
+def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_target, library, caplog):
+    with caplog.at_level(logging.INFO, logger="specchat.engine"):
+        engine = Engine(gguf_target, None, config=EXACT_CONFIG, kernels="auto", library=library, prompt_reader="off")
+    assert engine.target.kernels in ("openvino", "ggml") and "kernels for" in caplog.text
+    assert engine.target.kernels in caplog.text.split("kernels for")[1].split("(")[0]
+    assert ("ggml kernels" in engine.models["target"]) == (engine.target.kernels == "ggml")
+    engine.close()
+    with pytest.raises(EngineError, match="GGUF"):
+        Engine(ir_target, None, config=EXACT_CONFIG, kernels="ggml", library=library)
