@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 # `specchat COMMAND`: the app, and the model preparation as `python -m engine.prepare` runs it.
 COMMANDS = {
     "serve": ("app", "the chat app, its OpenAI-compatible API and /health on one port (--ray: on a cluster)"),
-    "prepare": ("engine.prepare.pipeline", "fetch and convert the models (the first start does it too)"),
+    "prepare": ("engine.prepare.cli", "fetch and convert the models (the first start does it too)"),
 }
 
 

@@ -41,6 +41,7 @@ from engine.core.requests import Request
 from engine.core.runtime import Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
+from engine.prepare import ggml_ir
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
 from engine.startup import add_engine_arguments
@@ -347,7 +348,7 @@ def peak_memory_gib(peers: dict[str, Peer]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    add_engine_arguments(parser)  # (the memory limit and the prompt reader are read here)
+    add_engine_arguments(parser)  # (the memory limit, the prompt reader and the kernels are read here)
     add_prompt_arguments(parser)
     parser.add_argument("--k", default="4", help="draft lengths, comma separated")
     parser.add_argument(
@@ -369,12 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft = prepare_from_args(args)
         reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
+        library = ggml_ir.for_models((target, draft), cache_dir_from_args(args)) if args.kernels != "openvino" else None
         engine = Engine(
             target.path,
             draft.path,
             draft_vocab=args.draft_vocab,
             memory_limit=args.memory_limit,
             prompt_reader=args.prompt_reader,
+            kernels=args.kernels,
+            library=library,
         )
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}

@@ -31,11 +31,14 @@ import openvino as ov
 from benchmarks import llamacpp
 from benchmarks.bench import load_prompts
 from benchmarks.report import add_output_arguments, write_text
+from engine import ggml
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat, graph
 from engine.core.budget import GIB
 from engine.core.runtime import TARGET_CONFIG, Runtime
+from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
+from engine.prepare import ggml_ir
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table
 
@@ -46,6 +49,7 @@ COLUMNS = [
     Column("weight MB per token", "weight_mb", "{:.0f}"),
     Column("GB/s achieved", "gb_per_s", "{:.1f}"),
     Column("share of the machine's read bandwidth", "bandwidth_share", "{:.0%}"),
+    Column("speed against llama.cpp", "vs_llamacpp", "{:.2f}x"),
 ]
 PROFILE_COLUMNS = [
     Column("node type", "node_type"),
@@ -96,10 +100,13 @@ def _reads_input_ids(output: ov.Output, depth: int = 4) -> bool:
     return False
 
 
-def ir_weight_bytes(ir_dir: Path) -> int:
+def ir_weight_bytes(ir_dir: Path, library: Path | None = None) -> int:
     """Bytes of the IR's constants a decode step reads: all but the embedding table's (unless
-    the vocabulary projection shares it)."""
-    model = ov.Core().read_model(ir_dir / "openvino_model.xml")
+    the vocabulary projection shares it); ``library``: of its graph on ggml's kernels."""
+    core = ov.Core()
+    if library is not None:
+        ggml.register(core, library)
+    model = core.read_model(ir_dir / (GGML_XML if library is not None else "openvino_model.xml"))
     constants = {op.get_name(): op.get_byte_size() for op in model.get_ops() if op.get_type_name() == "Constant"}
     gathers = [op for op in model.get_ops() if op.get_type_name() == "Gather" and _reads_input_ids(op.input_value(1))]
     embedding = {name for g in gathers for name in _constants_under(g.input_value(0).get_node())}
@@ -129,10 +136,12 @@ def timed_steps(runtime: Runtime, prompt: list[int], steps: int, after_step=lamb
     return seconds
 
 
-def node_profile(target: Path, prompt: list[int], steps: int) -> tuple[list[dict], float]:
+def node_profile(target: Path, prompt: list[int], steps: int, library: Path | None) -> tuple[list[dict], float]:
     """Our step's time by node type (the plugin's counters; types under 1% of them together as
-    "other"), and the step's wall time, both in ms per step."""
-    runtime = Runtime(target, config={**TARGET_CONFIG, "PERF_COUNT": True}, first_token_alone=True)
+    "other"; the op on ggml's kernels is a "Reference" node), and the step's wall time, both in
+    ms per step."""
+    config = {**TARGET_CONFIG, "PERF_COUNT": True}
+    runtime = Runtime(target, config=config, first_token_alone=True, kernels=library)
     by_type: dict[str, float] = defaultdict(float)
 
     def tally() -> None:
@@ -157,9 +166,15 @@ def profile(args: argparse.Namespace) -> None:
     question = load_prompts(CODING_PROMPTS)[0][1]
     prompt = chat.prompt_ids(auto_tokenizer(target.path), [{"role": "user", "content": question}])
     limit = read_bandwidth(threads)
-    # Timed without the counters (they cost time of their own); the profiled run comes after.
-    ours = timed_steps(Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True), prompt, args.steps)
     cache_dir = cache_dir_from_args(args)
+    # Each kernels our target can run on (ggml's where it came from a GGUF), timed without the
+    # counters (they cost time of their own); the profiled runs come after.
+    libraries = [None, *filter(None, [ggml_ir.for_model(target, cache_dir)])]
+    ours = {}
+    for library in libraries:
+        runtime = Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True, kernels=library)
+        ours[library] = (runtime.label, timed_steps(runtime, prompt, args.steps))
+        del runtime
     gguf = llamacpp.gguf_file(args.target, cache_dir)
     peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), gguf, threads=threads)
     try:
@@ -168,12 +183,12 @@ def profile(args: argparse.Namespace) -> None:
         theirs = peer.timings["predicted_per_token_ms"] / 1000
     finally:
         peer.close()
-    by_node, step_ms = node_profile(target.path, prompt, args.steps)
     rows = []
-    for name, seconds, weights in (
-        ("ours (OpenVINO, int4 IR)", statistics.median(ours), ir_weight_bytes(target.path)),
-        ("llama.cpp (Q4_K_M GGUF)", theirs, gguf_weight_bytes(gguf)),
-    ):
+    measured = [
+        (f"ours ({label})", statistics.median(seconds), ir_weight_bytes(target.path, library))
+        for library, (label, seconds) in ours.items()
+    ]
+    for name, seconds, weights in [*measured, ("llama.cpp (Q4_K_M GGUF)", theirs, gguf_weight_bytes(gguf))]:
         rows.append(
             {
                 "engine": name,
@@ -184,15 +199,21 @@ def profile(args: argparse.Namespace) -> None:
                 "bandwidth_share": weights / seconds / limit,
             }
         )
-    text = (
-        f"Read bandwidth: {limit / 1e9:.1f} GB/s ({threads} threads)\n\n{markdown_table(rows, COLUMNS)}\n\n"
-        f"Our step by node type, the plugin's counters ({args.steps} steps; they add up to "
-        f"{sum(r['ms'] for r in by_node):.1f} ms of a {step_ms:.1f} ms step):\n\n"
-        + markdown_table(by_node, PROFILE_COLUMNS)
-    )
+    for row in rows:
+        row["vs_llamacpp"] = theirs * 1000 / row["ms_per_token"]
+    text = f"Read bandwidth: {limit / 1e9:.1f} GB/s ({threads} threads)\n\n{markdown_table(rows, COLUMNS)}"
+    profiles = {}
+    for library, (label, _) in ours.items():
+        by_node, step_ms = node_profile(target.path, prompt, args.steps, library)
+        profiles[label] = {"profile": by_node, "step_ms": step_ms}
+        text += (
+            f"\n\nOur step ({label}) by node type, the plugin's counters ({args.steps} steps; they add up to "
+            f"{sum(r['ms'] for r in by_node):.1f} ms of a {step_ms:.1f} ms step):\n\n"
+            + markdown_table(by_node, PROFILE_COLUMNS)
+        )
     print(text)
     write_text(args.table, text + "\n")
-    figures = {"bandwidth": limit, "rows": rows, "profile": by_node, "step_ms": step_ms}
+    figures = {"bandwidth": limit, "rows": rows, "profiles": profiles}
     write_text(args.json, json.dumps(figures, indent=1))
 
 

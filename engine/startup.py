@@ -6,16 +6,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 
 from engine.core.budget import parse_size
 from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import KERNELS, Engine
 from engine.core.turns import NO_LIMITS
-from engine.errors import EngineError
 from engine.prepare import ggml_ir
-from engine.prepare.pipeline import PreparedModel, cache_dir_from_args, prepare_from_args
+from engine.prepare.pipeline import cache_dir_from_args, prepare_from_args
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +71,10 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
     ``threads``: the CPU threads each model may use (default: the plugin's, every core)."""
     target, draft = prepare_from_args(args)
     choice = getattr(args, "kernels", "auto")
-    library = ggml_library(args, (target, draft)) if choice != "openvino" else None
+    cache_dir = cache_dir_from_args(args)
+    library = (
+        ggml_ir.for_models((target, draft), cache_dir, required=choice == "ggml") if choice != "openvino" else None
+    )
     logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
     limit = {} if threads is None else {"INFERENCE_NUM_THREADS": threads}
     return Engine(
@@ -92,18 +93,3 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         kernels=choice,
         library=library,
     )
-
-
-def ggml_library(args: argparse.Namespace, models: tuple[PreparedModel, ...]) -> Path | None:
-    """The GgmlLinear op's library, with each model from a GGUF given its graph on it (built on
-    first use); None where no model came from a GGUF. Where it cannot be built, ``auto`` goes on
-    with the plugin's kernels (logged) and ``ggml`` fails."""
-    cache_dir = cache_dir_from_args(args)
-    try:
-        found = [ggml_ir.for_model(model, cache_dir) for model in models]
-    except EngineError as exc:
-        if args.kernels == "ggml":
-            raise
-        logging.getLogger("specchat.prepare").warning(f"ggml's kernels are not available ({exc}): the plugin's run")
-        return None
-    return next((library for library in found if library is not None), None)

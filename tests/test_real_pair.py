@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from gradio_client import Client
 
+from engine import manifest
 from engine.core.requests import Request
 from engine.core.service import Engine
+from engine.prepare import ggml_ir
+from engine.prepare.pipeline import PreparedModel, default_cache_dir
 from tests.ui.served import ask, last_answer, serve
 
 pytestmark = pytest.mark.real
@@ -130,3 +133,41 @@ def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memor
     assert peak <= real_engine.budget.limit
     held = real_engine.budget.bytes_held(real_engine.sessions.kv_cache_bytes)
     assert resident_bytes() <= held + 4 * 10**9
+
+
+@pytest.fixture(scope="module")
+def ggml_engine(real_pair):
+    """The real pair with every linear layer on ggml's kernels (the op built, the graphs written
+    on first use, as prepare does)."""
+    models = []
+    for path in real_pair:
+        recorded = manifest.read(path) or {}
+        models.append(PreparedModel(path, recorded.get("precision", ""), recorded.get("source", ""), ""))
+    library = ggml_ir.for_models(tuple(models), default_cache_dir(), required=True)
+    with Engine(*real_pair, kernels="ggml", library=library) as engine:
+        yield engine
+
+
+def test_on_ggml_kernels_verify_rows_equal_single_steps_bit_for_bit(ggml_engine):
+    """ggml's vec_dot computes a row alone whatever the pass's width, on every CPU."""
+    target = ggml_engine.target
+    assert target.kernels == "ggml"
+    prompt = ggml_engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
+    target.reset()
+    target.forward(prompt)
+    tokens = list(range(1000, 1005))
+    singles = np.stack([target.forward([t])[-1] for t in tokens])
+    target.trim(len(prompt))
+    verified = target.forward(tokens, rows=len(tokens))
+    target.reset()
+    np.testing.assert_array_equal(verified, singles)
+
+
+def test_on_ggml_kernels_greedy_speculative_equals_autoregressive(ggml_engine, chats):
+    def answers(mode: str) -> list[list[int]]:
+        return [
+            ggml_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=64, reuse_cache=False)).token_ids
+            for chat in chats
+        ]
+
+    assert answers("best") == answers("speculative") == answers("autoregressive")

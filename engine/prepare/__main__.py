@@ -2,6 +2,6 @@
 
 import sys
 
-from engine.prepare.pipeline import main
+from engine.prepare.cli import main
 
 sys.exit(main())

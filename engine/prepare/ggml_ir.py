@@ -5,6 +5,7 @@ embedding gather) stays OpenVINO's. Written beside the IR it comes from, once pe
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import openvino as ov
 
 from engine import ggml
+from engine.errors import EngineError
 from engine.ggml import GGML_XML
 from engine.prepare import disk, gguf_blocks, kernels, sources
 from engine.prepare.pipeline import PreparedModel, local_source, log
@@ -75,3 +77,17 @@ def for_model(model: PreparedModel, cache_dir: Path) -> Path | None:
     library = kernels.library(cache_dir, log)
     write(model.path, local_source(source, cache_dir).local, library, log)
     return library
+
+
+def for_models(models: tuple[PreparedModel, ...], cache_dir: Path, required: bool = False) -> Path | None:
+    """The op's library, with each of ``models`` from a GGUF given its graph on it (:func:`for_model`);
+    None where none came from a GGUF. Where it cannot be built: an error if ``required``, else a
+    warning, and the plugin's kernels run."""
+    try:
+        found = [for_model(model, cache_dir) for model in models]
+    except EngineError as exc:
+        if required:
+            raise
+        logging.getLogger("specchat.prepare").warning(f"ggml's kernels are not available ({exc}): the plugin's run")
+        return None
+    return next((library for library in found if library is not None), None)

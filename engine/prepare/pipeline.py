@@ -360,20 +360,3 @@ def prepare_from_args(args: argparse.Namespace) -> tuple[PreparedModel, Prepared
         compression_from_args(args, "draft", args.draft_precision),
         cache_dir,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.prepare", description=__doc__.split("\n\n")[0])
-    add_model_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    try:
-        target, draft = prepare_from_args(args)
-    except PrepareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"target": target.as_dict(), "draft": draft.as_dict()}))
-    else:
-        print(f"target: {target.path}\ndraft:  {draft.path}")
-    return 0
