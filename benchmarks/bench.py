@@ -41,10 +41,9 @@ from engine.core.requests import Request
 from engine.core.runtime import Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
-from engine.prepare import ggml_ir
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
-from engine.startup import add_engine_arguments
+from engine.startup import add_engine_arguments, kernels_library
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best")
@@ -370,7 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft = prepare_from_args(args)
         reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
-        library = ggml_ir.for_models((target, draft), cache_dir_from_args(args)) if args.kernels != "openvino" else None
         engine = Engine(
             target.path,
             draft.path,
@@ -378,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_limit=args.memory_limit,
             prompt_reader=args.prompt_reader,
             kernels=args.kernels,
-            library=library,
+            library=kernels_library(args, (target, draft)),
         )
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}

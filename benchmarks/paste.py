@@ -25,7 +25,7 @@ from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table
-from engine.startup import add_engine_arguments
+from engine.startup import add_engine_arguments, kernels_library
 
 COLUMNS = [
     Column("prompt tokens", "prompt_tokens", "{:,}"),
@@ -137,12 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="best")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--beside", type=int, default=0, help="another user chats meanwhile, answers of N tokens")
-    add_engine_arguments(parser)  # (the memory limit and the prompt reader are read here)
+    add_engine_arguments(parser)  # (the memory limit, the prompt reader and the kernels are read here)
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
-        engine = Engine(target.path, draft.path, memory_limit=args.memory_limit, prompt_reader=args.prompt_reader)
+        engine = Engine(
+            target.path,
+            draft.path,
+            memory_limit=args.memory_limit,
+            prompt_reader=args.prompt_reader,
+            kernels=args.kernels,
+            library=kernels_library(args, (target, draft)),
+        )
         # ("word " is one token each; the chat template adds a few)
         lengths = [engine.max_input_tokens - 64 if t == "cap" else int(t) for t in args.tokens.split(",")]
         rows = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from engine.core.budget import parse_size
 from engine.core.reader import READERS
@@ -13,7 +14,7 @@ from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import KERNELS, Engine
 from engine.core.turns import NO_LIMITS
 from engine.prepare import ggml_ir
-from engine.prepare.pipeline import cache_dir_from_args, prepare_from_args
+from engine.prepare.pipeline import PreparedModel, cache_dir_from_args, prepare_from_args
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +71,7 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
     processes on one machine from converting the same model twice) and load them once.
     ``threads``: the CPU threads each model may use (default: the plugin's, every core)."""
     target, draft = prepare_from_args(args)
-    choice = getattr(args, "kernels", "auto")
-    cache_dir = cache_dir_from_args(args)
-    library = (
-        ggml_ir.for_models((target, draft), cache_dir, required=choice == "ggml") if choice != "openvino" else None
-    )
+    library = kernels_library(args, (target, draft))
     logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
     limit = {} if threads is None else {"INFERENCE_NUM_THREADS": threads}
     return Engine(
@@ -90,6 +87,15 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         shared_pool=getattr(args, "shared_pool", False),
         prompt_reader=getattr(args, "prompt_reader", "auto"),
         batch_speculation=getattr(args, "batch_speculation", "on") == "on",
-        kernels=choice,
+        kernels=getattr(args, "kernels", "auto"),
         library=library,
     )
+
+
+def kernels_library(args: argparse.Namespace, models: tuple[PreparedModel, ...]) -> Path | None:
+    """The GgmlLinear op's library for ``args.kernels``, each model from a GGUF given its graph
+    on it (None: the plugin's kernels only)."""
+    choice = getattr(args, "kernels", "auto")
+    if choice == "openvino":
+        return None
+    return ggml_ir.for_models(models, cache_dir_from_args(args), required=choice == "ggml")

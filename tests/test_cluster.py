@@ -144,13 +144,24 @@ def test_load_through_the_page_with_a_replica_killed_mid_run(
     prompts.write_text("".join(f'{{"prompt": "Tell me about {w}."}}\n' for w in words))
     args = Namespace(users=8, turns=3, prompts=prompts, max_new_tokens=16, kill_after=1.0)
     rows = {r["users"]: r for r in scaleout.measure(cluster, 2, args, tiny_models(hf_target, hf_draft, tiny_cache))}
+    killed = rows[8]["killed_replica"]
     for row in rows.values():
         assert row["answers"] == 8 * 3
-        assert row["errors"] == row["lost"] == row["mixed"] == row["differ"] == 0, row["failures"]
-        assert row["affinity"] >= 0.9
-    killed = rows[8]["killed_replica"]
+        empty = [a for a in row["per_answer"] if not a["error"] and not a["tokens"]]
+        assert row["errors"] == row["lost"] == row["mixed"] == row["differ"] == 0, (row["failures"], empty)
+        assert kept_affinity(row["per_answer"], killed) >= 0.9
     after = [a for a in rows[8]["per_answer"] if a["replica"] and a["replica"] != killed]
     assert killed and after  # the killed replica's conversations went on elsewhere
+
+
+def kept_affinity(answers: list[dict], killed: str | None) -> float:
+    """The share of follow-up turns served where the conversation's turn before was, among those
+    whose replica was not the one killed (a request that had not started on it was sent to
+    another, uncut, so the load test cannot tell that one from the others)."""
+    before = {(a["user"], a["turn"]): a["replica"] for a in answers}
+    pairs = [(a["replica"], before.get((a["user"], a["turn"] - 1))) for a in answers if a["turn"] and not a["error"]]
+    counted = [now == then for now, then in pairs if then is not None and then != killed]
+    return sum(counted) / len(counted)
 
 
 def last(stream: Stream) -> Event:

@@ -11,6 +11,8 @@ import pytest
 from gradio_client import Client
 
 from engine import manifest
+from engine.core.budget import GIB
+from engine.core.memory import resident_bytes
 from engine.core.requests import Request
 from engine.core.service import Engine
 from engine.prepare import ggml_ir
@@ -23,7 +25,8 @@ PROMPTS = Path(__file__).parent.parent / "assets" / "prompts" / "coding.jsonl"
 
 @pytest.fixture(scope="module")
 def real_engine(real_pair):
-    return Engine(*real_pair)
+    with Engine(*real_pair) as engine:  # (closed: the models are freed for the modules after)
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +124,6 @@ def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memor
     """A paste at the input cap (about 24,000 tokens; minutes of prefill on 2 cores) is answered,
     and the process never holds more than its budget; after the answer, no more than the caches
     it keeps plus 4 GiB (docs/design.md, "Memory")."""
-    from engine.core.memory import resident_bytes
-
     words = real_engine.max_input_tokens - 64  # "word " is one token; the chat template adds a few
     request = Request(({"role": "user", "content": "word " * words},), mode="best", max_new_tokens=8)
     assert len(real_engine.check(request)) <= real_engine.max_input_tokens
@@ -144,7 +145,8 @@ def ggml_engine(real_pair):
         recorded = manifest.read(path) or {}
         models.append(PreparedModel(path, recorded.get("precision", ""), recorded.get("source", ""), ""))
     library = ggml_ir.for_models(tuple(models), default_cache_dir(), required=True)
-    with Engine(*real_pair, kernels="ggml", library=library) as engine:
+    # (its own budget: the default one counts the other engine this module holds as its models)
+    with Engine(*real_pair, kernels="ggml", library=library, memory_limit=resident_bytes() + 6 * GIB) as engine:
         yield engine
 
 

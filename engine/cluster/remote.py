@@ -115,9 +115,15 @@ class RemoteStream(Stream):
                     self._events.put(event)
                 self._end(Event(EventKind.ERROR, error="the replica ended the answer early", metrics=self._last))
                 return
-            except RequestCancelledError:
-                self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": FinishReason.CANCELLED}))
-                return
+            except RequestCancelledError as exc:
+                if self._cancel.is_set():  # (this stream's own cancel)
+                    self._end(Event(EventKind.DONE, metrics=self._last | {"finish_reason": FinishReason.CANCELLED}))
+                    return
+                # Not asked for here: the replica went away mid-answer (Ray says so either way).
+                log.warning(f"the replica serving a request cancelled it (attempt {attempt} of {ATTEMPTS}): {exc}")
+                if delivered:
+                    break
+                time.sleep(RETRY_S)
             except GONE as exc:
                 log.warning(f"the replica serving a request stopped (attempt {attempt} of {ATTEMPTS}): {exc}")
                 if delivered:
