@@ -74,12 +74,10 @@ def _rows_bit_identical(target) -> bool:
     return avx512 and "gguf" not in target.label
 
 
-def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
-    """Bit for bit where the kernels allow it; elsewhere within 1e-4 in the logits
-    (docs/benchmarks.md, "An AVX2 machine"): greedy speculative output can differ there only where
-    the target's top two logits are that close."""
-    target = real_engine.target
-    prompt = real_engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
+def verify_rows_and_single_steps(engine: Engine) -> tuple[np.ndarray, np.ndarray]:
+    """The target's logits for 5 tokens after a prompt: from one verify pass, and from 5 steps."""
+    target = engine.target
+    prompt = engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
     target.reset()
     target.forward(prompt)
     tokens = list(range(1000, 1005))
@@ -87,7 +85,15 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
     target.trim(len(prompt))
     verified = target.forward(tokens, rows=len(tokens))
     target.reset()
-    if _rows_bit_identical(target):
+    return verified, singles
+
+
+def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
+    """Bit for bit where the kernels allow it; elsewhere within 1e-4 in the logits
+    (docs/benchmarks.md, "An AVX2 machine"): greedy speculative output can differ there only where
+    the target's top two logits are that close."""
+    verified, singles = verify_rows_and_single_steps(real_engine)
+    if _rows_bit_identical(real_engine.target):
         np.testing.assert_array_equal(verified, singles)
     else:
         np.testing.assert_allclose(verified, singles, rtol=0, atol=1e-4)
@@ -152,17 +158,8 @@ def ggml_engine(real_pair):
 
 def test_on_ggml_kernels_verify_rows_equal_single_steps_bit_for_bit(ggml_engine):
     """ggml's vec_dot computes a row alone whatever the pass's width, on every CPU."""
-    target = ggml_engine.target
-    assert target.kernels == "ggml"
-    prompt = ggml_engine.prompt_ids(Request(({"role": "user", "content": "Write a haiku about caches."},)))
-    target.reset()
-    target.forward(prompt)
-    tokens = list(range(1000, 1005))
-    singles = np.stack([target.forward([t])[-1] for t in tokens])
-    target.trim(len(prompt))
-    verified = target.forward(tokens, rows=len(tokens))
-    target.reset()
-    np.testing.assert_array_equal(verified, singles)
+    assert ggml_engine.target.kernels == "ggml"
+    np.testing.assert_array_equal(*verify_rows_and_single_steps(ggml_engine))
 
 
 def test_on_ggml_kernels_greedy_speculative_equals_autoregressive(ggml_engine, chats):
