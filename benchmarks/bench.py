@@ -43,7 +43,7 @@ from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
-from engine.startup import add_engine_arguments, kernels_library
+from engine.startup import add_engine_arguments, engine_from_args
 
 NEAR_TIE = 0.05  # a divergence is acceptable only where the target's top-2 logit margin is below this
 PEER_MODES = ("genai-ar", "genai-sd", "llamacpp", "llamacpp-sd", "llamacpp-best")
@@ -369,15 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft = prepare_from_args(args)
         reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
-        engine = Engine(
-            target.path,
-            draft.path,
-            draft_vocab=args.draft_vocab,
-            memory_limit=args.memory_limit,
-            prompt_reader=args.prompt_reader,
-            kernels=args.kernels,
-            library=kernels_library(args, (target, draft)),
-        )
+        engine = engine_from_args(args, target, draft, draft_vocab=args.draft_vocab)
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}
         if unknown:

@@ -25,7 +25,7 @@ from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import Column, markdown_table
-from engine.startup import add_engine_arguments, kernels_library
+from engine.startup import add_engine_arguments, engine_from_args
 
 COLUMNS = [
     Column("prompt tokens", "prompt_tokens", "{:,}"),
@@ -142,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         target, draft = prepare_from_args(args)
-        engine = Engine(
-            target.path,
-            draft.path,
-            memory_limit=args.memory_limit,
-            prompt_reader=args.prompt_reader,
-            kernels=args.kernels,
-            library=kernels_library(args, (target, draft)),
-        )
+        engine = engine_from_args(args, target, draft)
         # ("word " is one token each; the chat template adds a few)
         lengths = [engine.max_input_tokens - 64 if t == "cap" else int(t) for t in args.tokens.split(",")]
         rows = []

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from engine.core.budget import parse_size
 from engine.core.reader import READERS
@@ -99,3 +100,17 @@ def kernels_library(args: argparse.Namespace, models: tuple[PreparedModel, ...])
     if choice == "openvino":
         return None
     return ggml_ir.for_models(models, cache_dir_from_args(args), required=choice == "ggml")
+
+
+def engine_from_args(args: argparse.Namespace, target: PreparedModel, draft: PreparedModel, **settings: Any) -> Engine:
+    """An engine on prepared models with the command line's memory limit, prompt reader and
+    kernels (``settings``: more of :class:`Engine`'s), as the benchmarks load it."""
+    return Engine(
+        target.path,
+        draft.path,
+        memory_limit=args.memory_limit,
+        prompt_reader=args.prompt_reader,
+        kernels=args.kernels,
+        library=kernels_library(args, (target, draft)),
+        **settings,
+    )
