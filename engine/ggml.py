@@ -4,9 +4,11 @@ graphs: one node at a time, or every linear layer of a prepared model whose GGUF
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
+import gguf
 import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
@@ -14,7 +16,9 @@ from openvino.utils.node_factory import NodeFactory
 
 GGML_LINEAR = "GgmlLinear"
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
-GGML_XML = "openvino_model_ggml.xml"
+# (Its second form: weights with interleaved kernels keep their rows interleaved. A cache holding
+# the first form, openvino_model_ggml.xml, writes this one and drops that.)
+GGML_XML = "openvino_model_ggml2.xml"
 
 
 def register(core: ov.Core, library: Path) -> None:
@@ -29,8 +33,51 @@ def _factory(library: Path) -> NodeFactory:
     return factory
 
 
-def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path) -> ov.Output:
-    """``x @ W^T`` for a weight given as its GGUF rows (u8 [N, bytes per row]) of ``ggml_type``."""
-    weight = ops.constant(np.ascontiguousarray(rows, dtype=np.uint8))
-    node = _factory(library).create(GGML_LINEAR, [x, weight.output(0)], {"ggml_type": ggml_type})
-    return node.output(0)
+@functools.cache
+def _native(library: Path) -> ctypes.CDLL:
+    native = ctypes.CDLL(str(library))
+    native.specchat_interleave.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
+    return native
+
+
+def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray | None:
+    """``rows`` (u8 [N, bytes per row]) interleaved as ggml's gemm and gemv read them (its CPU
+    "repack" layout), or None where ggml has no such kernels for the type or shape on this CPU."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    out = np.empty_like(rows)
+    done = _native(library).specchat_interleave(
+        ggml_type, rows.ctypes.data, out.ctypes.data, rows.shape[0], rows.shape[1] // size * block
+    )
+    return out if done else None
+
+
+def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interleave: bool = True) -> ov.Output:
+    """``x @ W^T`` for a weight given as its GGUF rows (u8 [N, bytes per row]) of ``ggml_type``:
+    multiplied by ggml's gemm and gemv on the rows interleaved where ggml has those for the type
+    (and ``interleave``), else by its vec_dot on the rows as stored."""
+    grouped = interleaved(rows, ggml_type, library) if interleave else None
+    weight = ops.constant(np.ascontiguousarray(rows if grouped is None else grouped, dtype=np.uint8))
+    attributes = {"ggml_type": ggml_type, "interleaved": int(grouped is not None), "gemm": 0}
+    return _factory(library).create(GGML_LINEAR, [x, weight.output(0)], attributes).output(0)
+
+
+def with_gemm(model: ov.Model, library: Path) -> int:
+    """Turn ggml's gemm on in ``model``'s ops on interleaved rows, in place; return how many. It
+    multiplies four activation rows at a time, faster over many rows than gemv row by row, but a
+    row then rounds with where it falls in its pass: for a graph that reads prompts."""
+    done = 0
+    for node in model.get_ordered_ops():
+        attributes = node.get_attributes()
+        if node.get_type_name() == GGML_LINEAR and attributes["interleaved"] and not attributes["gemm"]:
+            twin = _factory(library).create(GGML_LINEAR, node.input_values(), {**attributes, "gemm": 1})
+            twin.set_friendly_name(node.get_friendly_name())
+            node.output(0).replace(twin.output(0))
+            done += 1
+    return done

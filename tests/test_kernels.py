@@ -13,6 +13,8 @@ import pytest
 from openvino import opset13 as ops
 
 from engine import ggml
+from engine.core.reader import Reader
+from engine.core.reading import read_plan
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
@@ -53,11 +55,15 @@ def library() -> Path:
     return kernels.library(default_cache_dir(), print)
 
 
-def compiled(library: Path, rows: np.ndarray, kind: Q, threads: int = 0) -> ov.CompiledModel:
+def compiled(
+    library: Path, rows: np.ndarray, kind: Q, threads: int = 0, interleave: bool = True, gemm: bool = False
+) -> ov.CompiledModel:
     core = ov.Core()
     ggml.register(core, library)
     x = ops.parameter([-1, K], ov.Type.f32)
-    model = ov.Model([ggml.linear(x.output(0), rows, int(kind), library)], [x])
+    model = ov.Model([ggml.linear(x.output(0), rows, int(kind), library, interleave)], [x])
+    if gemm:
+        assert ggml.with_gemm(model, library) == 1
     return core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
 
 
@@ -83,6 +89,38 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
     np.testing.assert_array_equal(compiled(library, rows, Q.Q4_K, threads=1)({0: x})[0], alone)
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0])
+def test_rows_of_a_type_with_interleaved_kernels_are_interleaved_and_multiply_alike(library, kind):
+    """ggml's gemv on the rows interleaved computes what its vec_dot computes on them as stored,
+    within float rounding; a weight whose rows do not come in eights keeps them as stored."""
+    rows = random_rows(kind, N, K, seed=11)
+    grouped = ggml.interleaved(rows, int(kind), library)
+    assert grouped is not None and grouped.shape == rows.shape and not np.array_equal(grouped, rows)
+    assert ggml.interleaved(rows[:44], int(kind), library) is None
+    x = np.random.default_rng(12).standard_normal((5, K)).astype(np.float32)
+    as_stored = compiled(library, rows, kind, interleave=False)({0: x})[0]
+    np.testing.assert_allclose(compiled(library, rows, kind)({0: x})[0], as_stored, atol=1e-5 * np.abs(as_stored).max())
+
+
+@pytest.mark.parametrize("kind", [Q.Q6_K, Q.Q8_0, Q.Q5_0])
+def test_a_type_without_interleaved_kernels_keeps_its_rows(library, kind):
+    assert ggml.interleaved(random_rows(kind, N, K, seed=13), int(kind), library) is None
+
+
+def test_gemm_reads_many_rows_as_gemv_does_within_rounding(library):
+    """Over more rows than a tile, and a last four left incomplete: every row is computed, and
+    without gemm each is the row alone, bit for bit."""
+    rows = random_rows(Q.Q4_K, N, K, seed=14)
+    x = np.random.default_rng(15).standard_normal((150, K)).astype(np.float32)
+    plain = compiled(library, rows, Q.Q4_K)
+    gemv = plain({0: x})[0]
+    for i in (0, 63, 64, 149):
+        np.testing.assert_array_equal(gemv[i : i + 1], plain({0: x[i : i + 1]})[0])
+    np.testing.assert_allclose(
+        compiled(library, rows, Q.Q4_K, gemm=True)({0: x})[0], gemv, atol=1e-5 * np.abs(gemv).max()
+    )
+
+
 def test_a_graph_with_the_op_is_saved_and_read_back(library, tmp_path):
     rows = random_rows(Q.Q8_0, N, K, seed=5)
     x = ops.parameter([1, -1, K], ov.Type.f32)
@@ -105,11 +143,11 @@ def test_a_row_length_that_does_not_match_the_blocks_is_refused_with_a_clear_mes
 
 @pytest.fixture(scope="module")
 def gguf_target(hf_target, tiny_dir, tiny_cache, library) -> Path:
-    """The tiny target written as a Q8_0 GGUF, prepared as prepare does (its blocks kept), with
-    its graph on ggml's kernels beside."""
+    """The tiny target written as a Q4_0 GGUF, prepared as prepare does (its blocks kept), with
+    its graph on ggml's kernels beside (rows interleaved for ggml's gemv)."""
     folder = tiny_dir / "gguf-ggml"
     folder.mkdir(exist_ok=True)
-    file = write_gguf(hf_target, folder / "tiny-Q8_0.gguf", Q.Q8_0)
+    file = write_gguf(hf_target, folder / "tiny-Q4_0.gguf", Q.Q4_0)
     entry = prepare_one(str(file), Compression("gguf"), tiny_cache).path
     ggml_ir.write(entry, file, library, print)
     return entry
@@ -124,12 +162,26 @@ def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_targ
     assert sum(n.get_type_name() == ggml.GGML_LINEAR for n in graph.get_ordered_ops()) == layers > 0
 
 
+def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_would(gguf_target, library):
+    """The prompt reader on the same graph with ggml's gemm: its rows round differently (which is
+    why where its passes fall is fixed by the conversation), within float rounding."""
+    prompt = TOKENS * 8
+    own = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    expected = own.forward(prompt, rows=1)
+    read = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    reader = Reader(gguf_target, EXACT_CONFIG, "f32", library=library)
+    assert reader.label == "f32 · ggml kernels"
+    for part in read_plan(len(prompt) - 1, width=16):
+        reader.read(read, prompt[: part.stop], part)
+    np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
+
+
 def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):
-    """Within what quantizing the activations to 8 bits per block moves (llama.cpp does the same),
-    the argmax unchanged."""
+    """Within what quantizing the activations to 8 bits per block moves over a tiny random model's
+    layers (llama.cpp does the same), the argmax unchanged."""
     plugin = Runtime(gguf_target, config=EXACT_CONFIG).forward(TOKENS, rows=len(TOKENS))
     ours = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library).forward(TOKENS, rows=len(TOKENS))
-    assert np.abs(ours - plugin).max() <= 0.05 * np.abs(plugin).max()
+    assert np.abs(ours - plugin).max() <= 0.08 * np.abs(plugin).max()
     assert (ours.argmax(-1) == plugin.argmax(-1)).mean() >= 0.9
 
 

@@ -19,6 +19,7 @@ conversation alone (:mod:`engine.core.reading`): an answer is the same whatever 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,9 +29,11 @@ import numpy as np
 import openvino as ov
 from openvino._offline_transformations import stateful_to_stateless_transformation
 
+from engine import ggml
 from engine.core import graph
 from engine.core.reading import READ_PASS, ReadPass, ReadPath
 from engine.core.runtime import Runtime
+from engine.ggml import GGML_XML
 
 # What a reader's pass grows the process by, per byte of the cache it reads into: its output (a
 # copy of the cache), the past concatenated in each layer and its scratch; measured reading a
@@ -58,12 +61,22 @@ def read_pass(runtime: Runtime, reader: Reader | None, tokens: Sequence[int], pa
 class Reader:
     """The target's IR compiled stateless, in ``precision``, last-row logits only."""
 
-    def __init__(self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None):
+    def __init__(
+        self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None, library: Path | None = None
+    ):
+        """``library``: the GgmlLinear op's (engine.prepare.kernels), to read on the graph whose
+        linear layers run ggml's kernels, with its gemm (engine.ggml.with_gemm); else the plugin's."""
         core = core or ov.Core()
-        model = core.read_model(Path(ir_dir) / "openvino_model.xml")
+        xml = Path(ir_dir) / "openvino_model.xml"
+        if library is not None:
+            ggml.register(core, library)
+            xml = xml.with_name(GGML_XML)
+        model = core.read_model(xml)
+        if library is not None:
+            ggml.with_gemm(model, library)
         graph.slice_logits(model)
         stateful_to_stateless_transformation(model)
-        self.precision = precision
+        self.label = precision + (" · ggml kernels" if library is not None else "")
         self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
         self._inputs = {i.get_any_name() for i in model.inputs}
         self._outputs = [o.get_any_name() for o in model.outputs if o.get_any_name() != "logits"]
@@ -112,10 +125,11 @@ def precisions(core: ov.Core) -> list[str]:
 
 
 def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | None:
-    """The reader in the precision that reads fastest here, or None where the target's own passes
-    read as fast: one pass of :data:`~engine.core.reading.READ_PASS` tokens after
-    :data:`PROBE_CONTEXT` each way, timed at start (the gain grows with the context) and logged.
-    The target's cache is left empty."""
+    """The reader that reads fastest here, or None where the target's own passes read as fast:
+    one in each precision on the plugin's kernels and, where the target runs ggml's, on those
+    with their gemm. Each is timed at start over one pass of
+    :data:`~engine.core.reading.READ_PASS` tokens after :data:`PROBE_CONTEXT` (the gain grows
+    with the context), and logged. The target's cache is left empty."""
     core = core or ov.Core()
     context = min(PROBE_CONTEXT, target.max_context - READ_PASS)
     tokens = [0] * (context + READ_PASS)
@@ -131,13 +145,14 @@ def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | Non
     target.forward(tokens[:READ_PASS])  # (the first pass of a shape sets it up)
     own = timed(lambda: target.forward(tokens[context:]))
     best: tuple[float, Reader | None] = (own, None)
-    for precision in precisions(core):
-        reader = Reader(target.ir_dir, target.config, precision, core)
+    libraries = [None] if target.library is None else [None, target.library]
+    for precision, library in itertools.product(precisions(core), libraries):
+        reader = Reader(target.ir_dir, target.config, precision, core, library)
         reader.warm_up(target)
         seconds = timed(functools.partial(reader.read, target, tokens))
         log.info(
             "prompt reader %s: %.2f s for %d tokens after %d, the target's own passes %.2f s",
-            precision,
+            reader.label,
             seconds,
             READ_PASS,
             context,
@@ -145,5 +160,6 @@ def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | Non
         )
         if seconds < best[0]:
             best = (seconds, reader)
-    log.info("prompt reader: %s", best[1].precision if best[1] else "none (no faster here)")
+        del reader  # (a slower one's weights go before the next is laid out)
+    log.info("prompt reader: %s", best[1].label if best[1] else "none (no faster here)")
     return best[1]

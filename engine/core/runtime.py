@@ -119,6 +119,7 @@ class Runtime:
         self.ir_dir = Path(ir_dir)
         xml = self.ir_dir / "openvino_model.xml"
         self.kernels = "openvino"
+        self.library = kernels
         if kernels is not None:  # (the IR's graph whose linear layers run ggml's kernels)
             ggml.register(core, kernels)
             xml, self.kernels = self.ir_dir / GGML_XML, "ggml"

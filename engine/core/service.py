@@ -192,7 +192,7 @@ class Engine:
             return None
         if choice == "auto":
             return fastest_reader(self.target)
-        reader = Reader(self.target.ir_dir, self.target.config, choice)
+        reader = Reader(self.target.ir_dir, self.target.config, choice, library=self.target.library)
         reader.warm_up(self.target)
         return reader
 

@@ -43,8 +43,9 @@ def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path) -> Counter[
         order = gguf_blocks.unpermute(weight, rows.shape[0], heads)
         if order is not None:
             rows = rows[order]
-        node.output(0).replace(ggml.linear(node.input_value(0), rows, int(tensor.tensor_type), library))
-        done[tensor.tensor_type.name] += 1
+        op = ggml.linear(node.input_value(0), rows, int(tensor.tensor_type), library)
+        node.output(0).replace(op)
+        done[tensor.tensor_type.name + (" interleaved" if op.get_node().get_attributes()["interleaved"] else "")] += 1
     model.validate_nodes_and_infer_types()
     return done
 
@@ -64,6 +65,8 @@ def write(ir: Path, gguf_path: Path, library: Path, log: Callable[[str], None]) 
         del model
         (scratch / GGML_XML).with_suffix(".bin").replace(xml.with_suffix(".bin"))
         (scratch / GGML_XML).replace(xml)
+        for stale in ir.glob("openvino_model_ggml.*"):  # (the graph's first form)
+            stale.unlink()
     return xml
 
 
