@@ -1,14 +1,16 @@
-"""One layer three ways, in one run: the GgmlLinear op inside an OpenVINO graph, the plugin's
-compressed FullyConnected on the same blocks (the `gguf` form prepare writes today) and ggml's own
-mul_mat, at 1 and 5 rows.
+"""One layer six ways, in one run: the GgmlLinear op inside an OpenVINO graph (gemv on interleaved
+rows as decoding runs it, gemm as the prompt reader runs it, vec_dot on the rows as stored), the
+plugin's compressed FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat,
+plain and on repacked weights as llama.cpp runs it, at 1, 5 and 64 rows.
 
     python -m benchmarks.ggml_probe [--layers 56] [--reps 20] [--json OUT] [--table OUT]
 
 The weights are the default target's own ffn_up and ffn_gate (1536 -> 8960, Q4_K), cycled through
 enough layers that they come from DRAM as in a decode step (their bytes against the L3 cache are
 printed). Each way computes all the layers one after another on as many threads as the machine has
-cores; the time per layer is that over the layer count, the best of ``--reps``. Each way's rows
-are checked against the op's: ggml's bit for bit, the plugin's within its rounding.
+cores; the time per layer is that over the layer count, the best of ``--reps``; "in 1-row calls"
+is a pass's time over its 1-row time. The op's rows are checked against ggml's bit for bit and
+the plugin's within its rounding.
 """
 
 from __future__ import annotations
@@ -37,11 +39,18 @@ from engine.prepare.embedded import DEFAULT_TARGET
 from engine.prepare.pipeline import cache_dir_from_args, log
 from engine.report import Column, markdown_table
 
-ROWS = (1, 5)
+ROWS = (1, 5, 64)
+OP = "GgmlLinear op: gemv on interleaved rows (decoding)"
+OP_GEMM = "GgmlLinear op: gemm on interleaved rows (prompt reader)"
+OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
+PLUGIN = "plugin compressed FC (gguf form)"
+GGML = "ggml mul_mat"
+GGML_REPACKED = "ggml mul_mat, repacked (llama.cpp's default)"
 COLUMNS = [
     Column("kernel", "kernel"),
     *(Column(f"ms at {m} row{'s' * (m > 1)}", f"ms_{m}", "{:.3f}") for m in ROWS),
-    *(Column(f"x ggml at {m}", f"vs_ggml_{m}", "{:.2f}") for m in ROWS),
+    *(Column(f"{m} rows in 1-row calls", f"calls_{m}", "{:.2f}") for m in ROWS[1:]),
+    *(Column(f"x ggml repacked at {m}", f"vs_ggml_{m}", "{:.2f}") for m in ROWS),
 ]
 
 
@@ -75,10 +84,13 @@ def timed(compiled: ov.CompiledModel, x: np.ndarray, reps: int) -> tuple[float, 
     return best, request.get_output_tensor(0).data.copy()
 
 
-def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path) -> ov.Model:
+def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path, interleave: bool, gemm: bool) -> ov.Model:
     x = ops.parameter([-1, k], ov.Type.f32)
-    outs = [ggml.linear(x.output(0), blocks(t), int(t.tensor_type), library) for t in weights]
-    return ov.Model(outs, [x])
+    outs = [ggml.linear(x.output(0), blocks(t), int(t.tensor_type), library, interleave) for t in weights]
+    model = ov.Model(outs, [x])
+    if gemm:
+        ggml.with_gemm(model, library)
+    return model
 
 
 def plugin_model(weights: list[gguf.ReaderTensor], k: int) -> ov.Model:
@@ -109,7 +121,7 @@ def ggml_library(ops_library: Path) -> ctypes.CDLL:
 
 
 def ggml_mul_mat(
-    library: ctypes.CDLL, weights: list[np.ndarray], kind: int, x: np.ndarray, reps: int
+    library: ctypes.CDLL, weights: list[np.ndarray], kind: int, x: np.ndarray, reps: int, repacked: bool
 ) -> tuple[float, np.ndarray]:
     """ggml's own mul_mat over ``weights``: seconds per layer and the first layer's output."""
     m, k = x.shape
@@ -126,8 +138,11 @@ def ggml_mul_mat(
         ctypes.c_int64(m),
         os.cpu_count() or 1,
         reps,
+        int(repacked),
         y.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
     )
+    if ms < 0:
+        raise SystemExit("ggml has no repacked kernels for these weights on this CPU")
     return ms / 1000, y
 
 
@@ -150,34 +165,41 @@ def probe(args: argparse.Namespace) -> None:
     core = ov.Core()
     ggml.register(core, library)
     compiled = {
-        "GgmlLinear op (OpenVINO graph)": core.compile_model(op_model(weights, k, library), "CPU", TARGET_CONFIG),
-        "plugin compressed FC (gguf form)": core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
+        OP: core.compile_model(op_model(weights, k, library, True, False), "CPU", TARGET_CONFIG),
+        OP_GEMM: core.compile_model(op_model(weights, k, library, True, True), "CPU", TARGET_CONFIG),
+        OP_STORED: core.compile_model(op_model(weights, k, library, False, False), "CPU", TARGET_CONFIG),
+        PLUGIN: core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
     }
     probe_library = ggml_library(library)
     rng = np.random.default_rng(0)
-    rows: dict[str, dict] = {name: {"kernel": name} for name in [*compiled, "ggml mul_mat (its own graph)"]}
+    rows: dict[str, dict] = {name: {"kernel": name} for name in [*compiled, GGML, GGML_REPACKED]}
     checks: dict[str, bool | float] = {}
+    kind = int(weights[0].tensor_type)
     for m in ROWS:
         x = rng.standard_normal((m, k)).astype(np.float32)
-        outputs = {}
+        out = {}
         for name, model in compiled.items():
-            seconds, outputs[name] = timed(model, x, args.reps)
+            seconds, out[name] = timed(model, x, args.reps)
             rows[name][f"ms_{m}"] = 1000 * seconds / len(raw)
-        seconds, outputs["ggml"] = ggml_mul_mat(probe_library, raw, int(weights[0].tensor_type), x, args.reps)
-        rows["ggml mul_mat (its own graph)"][f"ms_{m}"] = 1000 * seconds
-        ours = outputs["GgmlLinear op (OpenVINO graph)"]
-        plugin = outputs["plugin compressed FC (gguf form)"]
-        checks[f"op == ggml bit for bit at {m} rows"] = bool(np.array_equal(ours, outputs["ggml"]))
-        checks[f"op against ggml, largest difference at {m} rows"] = float(np.abs(ours - outputs["ggml"]).max())
-        checks[f"op against the plugin, largest difference relative to the largest output at {m} rows"] = float(
-            np.abs(ours - plugin).max() / np.abs(plugin).max()
+        for name, repacked in ((GGML, False), (GGML_REPACKED, True)):
+            seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
+            rows[name][f"ms_{m}"] = 1000 * seconds
+        checks[f"{m} rows: op's gemv == ggml repacked, bit for bit"] = bool(np.array_equal(out[OP], out[GGML_REPACKED]))
+        checks[f"{m} rows: op's gemm == ggml repacked, bit for bit"] = bool(
+            np.array_equal(out[OP_GEMM], out[GGML_REPACKED])
+        )
+        checks[f"{m} rows: op on rows as stored == ggml, bit for bit"] = bool(np.array_equal(out[OP_STORED], out[GGML]))
+        checks[f"{m} rows: op against the plugin, largest difference relative to the largest output"] = float(
+            np.abs(out[OP] - out[PLUGIN]).max() / np.abs(out[PLUGIN]).max()
         )
         if m > 1:
-            alone = timed(compiled["GgmlLinear op (OpenVINO graph)"], x[:1], 1)[1]
-            checks[f"op's first row at {m} rows == at 1 row"] = bool(np.array_equal(ours[:1], alone))
+            alone = timed(compiled[OP], x[:1], 1)[1]
+            checks[f"{m} rows: op's first row == at 1 row, bit for bit"] = bool(np.array_equal(out[OP][:1], alone))
     for row in rows.values():
         for m in ROWS:
-            row[f"vs_ggml_{m}"] = row[f"ms_{m}"] / rows["ggml mul_mat (its own graph)"][f"ms_{m}"]
+            row[f"vs_ggml_{m}"] = row[f"ms_{m}"] / rows[GGML_REPACKED][f"ms_{m}"]
+            if m > 1:
+                row[f"calls_{m}"] = row[f"ms_{m}"] / row[f"ms_{ROWS[0]}"]
     text = markdown_table(list(rows.values()), COLUMNS) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in checks.items())
     print(text)
     write_text(args.table, text + "\n")

@@ -58,26 +58,43 @@ def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray |
     return out if done else None
 
 
+def linears(
+    x: ov.Output, weights: list[tuple[np.ndarray, int]], library: Path, interleave: bool = True
+) -> list[ov.Output]:
+    """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
+    in one node (the activations quantized once): multiplied by ggml's gemv on the rows
+    interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
+    rows as stored."""
+    inputs, types, interleaved_flags = [x], [], []
+    for rows, ggml_type in weights:
+        grouped = interleaved(rows, ggml_type, library) if interleave else None
+        inputs.append(
+            ops.constant(np.ascontiguousarray(rows if grouped is None else grouped, dtype=np.uint8)).output(0)
+        )
+        types.append(ggml_type)
+        interleaved_flags.append(int(grouped is not None))
+    attributes = {"ggml_types": types, "interleaved": interleaved_flags, "gemm": 0}
+    return list(_factory(library).create(GGML_LINEAR, inputs, attributes).outputs())
+
+
 def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interleave: bool = True) -> ov.Output:
-    """``x @ W^T`` for a weight given as its GGUF rows (u8 [N, bytes per row]) of ``ggml_type``:
-    multiplied by ggml's gemm and gemv on the rows interleaved where ggml has those for the type
-    (and ``interleave``), else by its vec_dot on the rows as stored."""
-    grouped = interleaved(rows, ggml_type, library) if interleave else None
-    weight = ops.constant(np.ascontiguousarray(rows if grouped is None else grouped, dtype=np.uint8))
-    attributes = {"ggml_type": ggml_type, "interleaved": int(grouped is not None), "gemm": 0}
-    return _factory(library).create(GGML_LINEAR, [x, weight.output(0)], attributes).output(0)
+    """:func:`linears` for one weight."""
+    return linears(x, [(rows, ggml_type)], library, interleave)[0]
 
 
 def with_gemm(model: ov.Model, library: Path) -> int:
-    """Turn ggml's gemm on in ``model``'s ops on interleaved rows, in place; return how many. It
+    """Turn ggml's gemm on in ``model``'s ops with interleaved rows, in place; return how many. It
     multiplies four activation rows at a time, faster over many rows than gemv row by row, but a
     row then rounds with where it falls in its pass: for a graph that reads prompts."""
     done = 0
     for node in model.get_ordered_ops():
+        if node.get_type_name() != GGML_LINEAR:
+            continue
         attributes = node.get_attributes()
-        if node.get_type_name() == GGML_LINEAR and attributes["interleaved"] and not attributes["gemm"]:
+        if any(attributes["interleaved"]) and not attributes["gemm"]:
             twin = _factory(library).create(GGML_LINEAR, node.input_values(), {**attributes, "gemm": 1})
             twin.set_friendly_name(node.get_friendly_name())
-            node.output(0).replace(twin.output(0))
+            for old, new in zip(node.outputs(), twin.outputs()):
+                old.replace(new)
             done += 1
     return done

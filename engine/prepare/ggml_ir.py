@@ -23,11 +23,13 @@ from engine.prepare.sources import Kind
 
 
 def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path) -> Counter[str]:
-    """Replace ``model``'s linear layers by the op on ``reader``'s rows in place; count what was
-    done by type. A layer whose rows the file does not hold in that shape keeps its weight."""
+    """Replace ``model``'s linear layers by the op on ``reader``'s rows in place, those that read
+    the same input (a layer's q, k and v; its gate and up) in one node; count what was done by
+    type. A layer whose rows the file does not hold in that shape keeps its weight."""
     tensors = {t.name: t for t in reader.tensors}
     heads = gguf_blocks.permuted_heads(reader)
     done: Counter[str] = Counter()
+    by_input: dict[tuple[str, int], list[tuple[ov.Node, np.ndarray, int]]] = {}
     for node in [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"]:
         attributes = node.get_attributes()
         weight = node.get_friendly_name().split("/")[0] + ".weight"  # (the export names it by module)
@@ -43,9 +45,17 @@ def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path) -> Counter[
         order = gguf_blocks.unpermute(weight, rows.shape[0], heads)
         if order is not None:
             rows = rows[order]
-        op = ggml.linear(node.input_value(0), rows, int(tensor.tensor_type), library)
-        node.output(0).replace(op)
-        done[tensor.tensor_type.name + (" interleaved" if op.get_node().get_attributes()["interleaved"] else "")] += 1
+        source = node.input_value(0)
+        by_input.setdefault((source.get_node().get_name(), source.get_index()), []).append(
+            (node, rows, int(tensor.tensor_type))
+        )
+    for group in by_input.values():
+        outputs = ggml.linears(group[0][0].input_value(0), [(rows, kind) for _, rows, kind in group], library)
+        interleaved = outputs[0].get_node().get_attributes()["interleaved"]
+        for (node, _, kind), output, grouped in zip(group, outputs, interleaved):
+            node.output(0).replace(output)
+            done[gguf.GGMLQuantizationType(kind).name + (" interleaved" if grouped else "")] += 1
+    done["nodes"] = len(by_input)
     model.validate_nodes_and_infer_types()
     return done
 

@@ -1,22 +1,25 @@
-// GgmlLinear: y = x @ W^T for a weight kept in its GGUF blocks, computed by ggml's CPU kernels
+// GgmlLinear: y_i = x @ W_i^T for weights kept in their GGUF blocks, computed by ggml's CPU kernels
 // inside an OpenVINO graph (docs/design.md, "The GGUF's own kernels").
 //
-// Inputs: x, f32 [..., K]; w, u8 [N, row_bytes], the N rows of the weight in the GGUF's blocks.
-// Attributes: ggml_type, the rows' ggml type (Q4_K, Q6_K, Q8_0, Q5_0, F16, ...); interleaved, 1
-// where the rows are interleaved 8 at a time as ggml's CPU "repack" buffer lays them out for its
-// gemm and gemv (specchat_interleave below writes them), 0 where they are as the file stores them;
-// gemm, 1 to multiply interleaved rows by fours of activation rows with ggml's gemm.
-// Output: f32 [..., N].
+// Inputs: x, f32 [..., K]; w_1 .. w_n, u8 [N_i, row_bytes_i], each weight's rows in the GGUF's
+// blocks. The weights share their input: a layer's q, k and v projections, or its gate and up,
+// are one node, so the activations are quantized once and the plugin runs one node instead of
+// three (each node costs it a shape inference and a hand-over to its threads on every pass).
+// Attributes, one entry per weight: ggml_types, the rows' ggml type (Q4_K, Q6_K, Q8_0, Q5_0, F16,
+// ...); interleaved, 1 where the rows are interleaved 8 at a time as ggml's CPU "repack" buffer
+// lays them out for its gemm and gemv (specchat_interleave below writes them), 0 where they are as
+// the file stores them. And gemm: 1 to multiply interleaved rows by fours of activation rows with
+// ggml's gemm. Outputs: f32 [..., N_i].
 //
-// Activation rows are quantized once to the type's dot type (Q8_K for the K-quants, Q8_0 for the
-// legacy ones), as llama.cpp does. Interleaved weights are multiplied by ggml's gemv one
-// activation row at a time, or with `gemm` by its gemm four rows at a time and gemv for the rows
-// left over (llama.cpp's own way for a repacked weight: faster for many rows, but a row then
-// rounds differently with where it falls, so it is for prompt passes). Rows as stored go through
-// the type's vec_dot, one weight row by one activation row. Without gemm, a row's result never
+// Activation rows are quantized once per dot type (Q8_K for the K-quants, Q8_0 for the legacy
+// ones), as llama.cpp does. Interleaved weights are multiplied by ggml's gemv one activation row
+// at a time, or with `gemm` by its gemm four rows at a time and gemv for the rows left over
+// (llama.cpp's own way for a repacked weight: faster for many rows, but a row then rounds
+// differently with where it falls, so it is for prompt passes). Rows as stored go through the
+// type's vec_dot, one weight row by one activation row. Without gemm, a row's result never
 // depends on the other rows, bit for bit. A weight row is read once per tile of activation rows,
-// and output columns are split across the plugin's own threads (the TBB arena the inference runs
-// in): the op adds no thread of its own.
+// and the weights' columns are split across the plugin's own threads (the TBB arena the inference
+// runs in): the op adds no thread of its own.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,8 +40,9 @@ namespace specchat {
 
 namespace {
 
-// Output columns a thread takes at a time (a multiple of INTERLEAVE): enough to amortize the loop,
-// few enough to keep their weight rows in the core's L2 while a tile of activation rows passes.
+// Output columns a thread takes at a time in a pass of several rows (a multiple of INTERLEAVE):
+// their weight rows stay in the core's L2 while a tile of activation rows passes. A 1-row pass
+// takes its whole range at once (in one call, a plain step is faster by a tenth).
 constexpr int64_t COLUMNS_PER_BLOCK = 64;
 // Activation rows multiplied with a block of weight rows before the next block (a multiple of
 // GEMM_ROWS): their quantized copies stay in cache however long the pass (a prompt).
@@ -88,75 +92,101 @@ const ggml_type_traits_cpu* traits(int64_t type) {
     return found != nullptr && found->vec_dot != nullptr ? found : nullptr;
 }
 
-// One call's operands: m activation rows of k values against n weight rows.
-struct Problem {
-    int64_t m, k, n;
-    const uint8_t* w;  // weight rows (w_row bytes each; interleaved: 8 rows per 8 * w_row bytes)
-    size_t w_row;
-    const uint8_t* xq;  // activations in the dot type (x_row bytes each; interleaved in fours)
-    size_t x_row;
-    float* y;  // [m, n]
+// The activations in one dot type and layout, m rows of k values.
+struct Quantized {
+    ggml_type type;
+    const Interleaved* gemm;  // whole fours of rows in this gemm's layout; null: row by row
+    size_t row;               // bytes per row
+    std::vector<uint8_t> data;
 };
 
-// The activations in the dot type: for the gemm (`il`), whole fours of rows in its layout and the
-// rest row by row (as llama.cpp quantizes them), else every row by itself.
-void quantize(const float* x, uint8_t* xq, const Problem& p, const ggml_type_traits_cpu* tq, const Interleaved* gemm) {
-    const int64_t fours = gemm ? p.m / GEMM_ROWS : 0;
-    const int64_t singles = p.m - fours * GEMM_ROWS;
+// Quantize x into q: for the gemm, whole fours of rows in its layout and the rest row by row (as
+// llama.cpp quantizes them), else every row by itself.
+void quantize(const float* x, int64_t m, int64_t k, Quantized& q) {
+    const auto* tq = ggml_get_type_traits_cpu(q.type);
+    q.row = ggml_row_size(q.type, k);
+    q.data.resize(q.row * static_cast<size_t>(m));
+    uint8_t* xq = q.data.data();
+    const int64_t fours = q.gemm ? m / GEMM_ROWS : 0;
+    const int64_t singles = m - fours * GEMM_ROWS;
     ov::parallel_nt_static(fours + singles > 1 ? 0 : 1, [&](int thread, int threads) {
         int64_t start = 0, stop = 0;
         ov::splitter(fours + singles, threads, thread, start, stop);
         for (int64_t task = start; task < stop; ++task) {
             if (task < fours) {
-                gemm->quantize4(x + task * GEMM_ROWS * p.k, xq + task * GEMM_ROWS * p.x_row, p.k);
+                q.gemm->quantize4(x + task * GEMM_ROWS * k, xq + task * GEMM_ROWS * q.row, k);
                 continue;
             }
             const int64_t row = fours * GEMM_ROWS + task - fours;
             if (tq->from_float != nullptr)
-                tq->from_float(x + row * p.k, xq + row * p.x_row, p.k);
+                tq->from_float(x + row * k, xq + row * q.row, k);
             else  // (an f32 dot type)
-                std::memcpy(xq + row * p.x_row, x + row * p.k, p.x_row);
+                std::memcpy(xq + row * q.row, x + row * k, q.row);
         }
     });
 }
 
+// One weight of a call: its n rows against the m quantized activation rows, into y [m, n].
+struct Product {
+    const ggml_type_traits_cpu* tr;
+    const Interleaved* il;  // null: rows as stored (vec_dot)
+    bool gemm;
+    const uint8_t* w;
+    size_t w_row;
+    int64_t n;
+    const Quantized* x;
+    float* y;
+
+    int64_t unit() const {  // columns stay whole interleaved groups
+        return il ? INTERLEAVE : 1;
+    }
+};
+
 // Columns [first, last) of rows [r0, r1) (r0 a multiple of GEMM_ROWS).
-void multiply_block(const Problem& p,
-                    const ggml_type_traits_cpu* tr,
-                    const Interleaved* il,
-                    bool gemm,
-                    int64_t r0,
-                    int64_t r1,
-                    int64_t first,
-                    int64_t last) {
-    if (il == nullptr) {
+void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t first, int64_t last) {
+    const uint8_t* xq = p.x->data.data();
+    if (p.il == nullptr) {
         for (int64_t col = first; col < last; ++col)
             for (int64_t row = r0; row < r1; ++row)
-                tr->vec_dot(static_cast<int>(p.k), p.y + row * p.n + col, 0, p.w + col * p.w_row, 0,
-                            p.xq + row * p.x_row, 0, 1);
+                p.tr->vec_dot(static_cast<int>(k), p.y + row * p.n + col, 0, p.w + col * p.w_row, 0,
+                              xq + row * p.x->row, 0, 1);
         return;
     }
-    const int k = static_cast<int>(p.k), cols = static_cast<int>(last - first);
+    const int cols = static_cast<int>(last - first);
     const uint8_t* w = p.w + first * p.w_row;
-    const int64_t fours = gemm ? (r1 - r0) / GEMM_ROWS * GEMM_ROWS : 0;
+    const int64_t fours = p.gemm ? (r1 - r0) / GEMM_ROWS * GEMM_ROWS : 0;
     if (fours > 0)
-        il->gemm(k, p.y + r0 * p.n + first, p.n, w, p.xq + r0 * p.x_row, static_cast<int>(fours), cols);
+        p.il->gemm(static_cast<int>(k), p.y + r0 * p.n + first, p.n, w, xq + r0 * p.x->row, static_cast<int>(fours), cols);
     for (int64_t row = r0 + fours; row < r1; ++row)
-        il->gemv(k, p.y + row * p.n + first, p.n, w, p.xq + row * p.x_row, 1, cols);
+        p.il->gemv(static_cast<int>(k), p.y + row * p.n + first, p.n, w, xq + row * p.x->row, 1, cols);
 }
 
-void multiply(const Problem& p, const ggml_type_traits_cpu* tr, const Interleaved* il, bool gemm) {
-    // Each thread takes one contiguous range of columns: a long stream of weight rows for the
-    // hardware prefetchers (ranges taken block by block from a shared counter, as ggml's own
-    // chunks are, made a plain step slower by a quarter).
-    const int64_t unit = il ? INTERLEAVE : 1;  // columns stay whole interleaved groups
+// Columns [first, last) of p, every row.
+void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+    const int64_t block = m > 1 ? COLUMNS_PER_BLOCK : last - first;
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_TILE)
+        for (int64_t c0 = first; c0 < last; c0 += block)
+            multiply_block(p, k, r0, std::min(m, r0 + ROWS_PER_TILE), c0, std::min(last, c0 + block));
+}
+
+void multiply(const std::vector<Product>& products, int64_t m, int64_t k) {
+    // The weights' columns, one after another, split into one contiguous range per thread: a
+    // long stream of weight rows for the hardware prefetchers (ranges taken block by block from a
+    // shared counter, as ggml's own chunks are, made a plain step slower by a quarter).
+    int64_t units = 0;
+    for (const auto& p : products)
+        units += p.n / p.unit();
     ov::parallel_nt_static(0, [&](int thread, int threads) {
         int64_t start = 0, stop = 0;
-        ov::splitter(p.n / unit, threads, thread, start, stop);
-        for (int64_t r0 = 0; r0 < p.m; r0 += ROWS_PER_TILE)
-            for (int64_t c0 = start * unit; c0 < stop * unit; c0 += COLUMNS_PER_BLOCK)
-                multiply_block(p, tr, il, gemm, r0, std::min(p.m, r0 + ROWS_PER_TILE), c0,
-                               std::min(stop * unit, c0 + COLUMNS_PER_BLOCK));
+        ov::splitter(units, threads, thread, start, stop);
+        int64_t offset = 0;
+        for (const auto& p : products) {
+            const int64_t mine = p.n / p.unit();
+            const int64_t lo = std::max(start, offset), hi = std::min(stop, offset + mine);
+            if (lo < hi)
+                multiply_columns(p, m, k, (lo - offset) * p.unit(), (hi - offset) * p.unit());
+            offset += mine;
+        }
     });
 }
 
@@ -168,63 +198,35 @@ public:
 
     GgmlLinear() = default;
 
-    GgmlLinear(const ov::Output<ov::Node>& x,
-               const ov::Output<ov::Node>& w,
-               int64_t type,
-               int64_t interleaved,
+    GgmlLinear(const ov::OutputVector& inputs,
+               std::vector<int64_t> types,
+               std::vector<int64_t> interleaved,
                int64_t gemm)
-        : Op({x, w}),
-          m_type(type),
-          m_interleaved(interleaved),
+        : Op(inputs),
+          m_types(std::move(types)),
+          m_interleaved(std::move(interleaved)),
           m_gemm(gemm) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        const auto* tr = traits(m_type);
-        NODE_VALIDATION_CHECK(this, tr != nullptr, "ggml has no CPU dot product for type ", m_type);
+        const size_t weights = get_input_size() - 1;
         NODE_VALIDATION_CHECK(this,
-                              !m_interleaved || interleaved_kernels(m_type) != nullptr,
-                              "ggml has no interleaved kernels for ",
-                              ggml_type_name(static_cast<ggml_type>(m_type)));
+                              get_input_size() >= 2 && m_types.size() == weights && m_interleaved.size() == weights,
+                              "one ggml type and one interleaved flag per weight");
         NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
-        NODE_VALIDATION_CHECK(this, get_input_element_type(1) == ov::element::u8, "w must be u8 blocks");
         const auto& x = get_input_partial_shape(0);
-        const auto& w = get_input_partial_shape(1);
-        NODE_VALIDATION_CHECK(this, w.rank().is_static() && w.rank().get_length() == 2, "w must be [N, row_bytes]");
-        NODE_VALIDATION_CHECK(this,
-                              !m_interleaved || (w[0].is_static() && w[0].get_length() % INTERLEAVE == 0),
-                              "interleaved rows come in whole groups of ",
-                              INTERLEAVE);
-        auto out = x;
-        if (x.rank().is_static() && x.rank().get_length() >= 1) {
-            const auto& k = x[x.rank().get_length() - 1];
-            if (k.is_static() && w[1].is_static()) {
-                const auto type = static_cast<ggml_type>(m_type);
-                NODE_VALIDATION_CHECK(this,
-                                      k.get_length() % ggml_blck_size(type) == 0 &&
-                                          static_cast<int64_t>(ggml_row_size(type, k.get_length())) == w[1].get_length(),
-                                      "a row of ",
-                                      k.get_length(),
-                                      " values takes ",
-                                      ggml_row_size(type, k.get_length()),
-                                      " bytes of ",
-                                      ggml_type_name(type),
-                                      ", not ",
-                                      w[1].get_length());
-            }
-            out[x.rank().get_length() - 1] = w[0];
-        }
-        set_output_type(0, ov::element::f32, out);
+        for (size_t i = 0; i < weights; ++i)
+            set_output_type(i, ov::element::f32, weight_output(i, x));
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
-        return std::make_shared<GgmlLinear>(args.at(0), args.at(1), m_type, m_interleaved, m_gemm);
+        return std::make_shared<GgmlLinear>(args, m_types, m_interleaved, m_gemm);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
-        visitor.on_attribute("ggml_type", m_type);
+        visitor.on_attribute("ggml_types", m_types);
         visitor.on_attribute("interleaved", m_interleaved);
         visitor.on_attribute("gemm", m_gemm);
         return true;
@@ -235,38 +237,90 @@ public:
     }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
-        const auto* tr = traits(m_type);
-        const auto* il = m_interleaved ? interleaved_kernels(m_type) : nullptr;
-        if (tr == nullptr || (m_interleaved && il == nullptr))
-            return false;
         const ov::Tensor& x = inputs[0];
-        const ov::Tensor& w = inputs[1];
         const auto x_shape = x.get_shape();
-        Problem p{};
-        p.k = static_cast<int64_t>(x_shape.back());
-        p.n = static_cast<int64_t>(w.get_shape()[0]);
-        p.m = p.k ? static_cast<int64_t>(x.get_size()) / p.k : 0;
-        p.w = w.data<const uint8_t>();
-        p.w_row = w.get_shape()[1];
-        p.x_row = ggml_row_size(tr->vec_dot_type, p.k);
-        auto y_shape = x_shape;
-        y_shape.back() = static_cast<size_t>(p.n);
-        if (outputs[0].get_shape() != y_shape)
-            outputs[0].set_shape(y_shape);
-        p.y = outputs[0].data<float>();
-
-        thread_local std::vector<uint8_t> quantized;  // (scratch kept per calling thread)
-        quantized.resize(p.x_row * static_cast<size_t>(p.m));
-        p.xq = quantized.data();
-        const bool gemm = il != nullptr && m_gemm != 0;
-        quantize(x.data<const float>(), quantized.data(), p, ggml_get_type_traits_cpu(tr->vec_dot_type), gemm ? il : nullptr);
-        multiply(p, tr, il, gemm);
+        const int64_t k = static_cast<int64_t>(x_shape.back());
+        const int64_t m = k ? static_cast<int64_t>(x.get_size()) / k : 0;
+        thread_local std::vector<Quantized> quantized;  // (scratch kept per calling thread)
+        size_t kinds = 0;
+        std::vector<Product> products(m_types.size());
+        std::vector<size_t> inputs_of(m_types.size());  // which of `quantized` each weight reads
+        for (size_t i = 0; i < m_types.size(); ++i) {
+            Product& p = products[i];
+            p.tr = traits(m_types[i]);
+            p.il = m_interleaved[i] ? interleaved_kernels(m_types[i]) : nullptr;
+            if (p.tr == nullptr || (m_interleaved[i] && p.il == nullptr))
+                return false;
+            p.gemm = p.il != nullptr && m_gemm != 0;
+            const ov::Tensor& w = inputs[i + 1];
+            p.w = w.data<const uint8_t>();
+            p.w_row = w.get_shape()[1];
+            p.n = static_cast<int64_t>(w.get_shape()[0]);
+            auto y_shape = x_shape;
+            y_shape.back() = static_cast<size_t>(p.n);
+            if (outputs[i].get_shape() != y_shape)
+                outputs[i].set_shape(y_shape);
+            p.y = outputs[i].data<float>();
+            // The activations in this weight's dot type and layout, quantized once per call.
+            const Interleaved* layout = p.gemm ? p.il : nullptr;
+            size_t& found = inputs_of[i];
+            while (found < kinds && (quantized[found].type != p.tr->vec_dot_type || quantized[found].gemm != layout))
+                ++found;
+            if (found == kinds) {
+                if (quantized.size() <= kinds)
+                    quantized.resize(kinds + 1);
+                quantized[kinds].type = p.tr->vec_dot_type;
+                quantized[kinds].gemm = layout;
+                quantize(x.data<const float>(), m, k, quantized[kinds++]);
+            }
+        }
+        for (size_t i = 0; i < products.size(); ++i)  // (once the scratch stopped growing)
+            products[i].x = &quantized[inputs_of[i]];
+        multiply(products, m, k);
         return true;
     }
 
 private:
-    int64_t m_type = 0;
-    int64_t m_interleaved = 0;
+    // Weight i's output shape for x's, checking its type and rows.
+    ov::PartialShape weight_output(size_t i, const ov::PartialShape& x) {
+        const int64_t type = m_types[i];
+        const auto* tr = traits(type);
+        NODE_VALIDATION_CHECK(this, tr != nullptr, "ggml has no CPU dot product for type ", type);
+        NODE_VALIDATION_CHECK(this,
+                              !m_interleaved[i] || interleaved_kernels(type) != nullptr,
+                              "ggml has no interleaved kernels for ",
+                              ggml_type_name(static_cast<ggml_type>(type)));
+        NODE_VALIDATION_CHECK(this, get_input_element_type(i + 1) == ov::element::u8, "w must be u8 blocks");
+        const auto& w = get_input_partial_shape(i + 1);
+        NODE_VALIDATION_CHECK(this, w.rank().is_static() && w.rank().get_length() == 2, "w must be [N, row_bytes]");
+        NODE_VALIDATION_CHECK(this,
+                              !m_interleaved[i] || (w[0].is_static() && w[0].get_length() % INTERLEAVE == 0),
+                              "interleaved rows come in whole groups of ",
+                              INTERLEAVE);
+        auto out = x;
+        if (x.rank().is_static() && x.rank().get_length() >= 1) {
+            const auto& k = x[x.rank().get_length() - 1];
+            if (k.is_static() && w[1].is_static()) {
+                const auto t = static_cast<ggml_type>(type);
+                NODE_VALIDATION_CHECK(this,
+                                      k.get_length() % ggml_blck_size(t) == 0 &&
+                                          static_cast<int64_t>(ggml_row_size(t, k.get_length())) == w[1].get_length(),
+                                      "a row of ",
+                                      k.get_length(),
+                                      " values takes ",
+                                      ggml_row_size(t, k.get_length()),
+                                      " bytes of ",
+                                      ggml_type_name(t),
+                                      ", not ",
+                                      w[1].get_length());
+            }
+            out[x.rank().get_length() - 1] = w[0];
+        }
+        return out;
+    }
+
+    std::vector<int64_t> m_types;
+    std::vector<int64_t> m_interleaved;
     int64_t m_gemm = 0;
 };
 
