@@ -86,11 +86,9 @@ def timed(compiled: ov.CompiledModel, x: np.ndarray, reps: int) -> tuple[float, 
 
 def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path, interleave: bool, gemm: bool) -> ov.Model:
     x = ops.parameter([-1, k], ov.Type.f32)
-    outs = [ggml.linear(x.output(0), blocks(t), int(t.tensor_type), library, interleave) for t in weights]
-    model = ov.Model(outs, [x])
-    if gemm:
-        ggml.with_gemm(model, library)
-    return model
+    flag = ops.constant(np.array([int(gemm)], dtype=np.int64)).output(0)
+    outs = [ggml.linears(x.output(0), [(blocks(t), int(t.tensor_type))], library, interleave, flag)[0] for t in weights]
+    return ov.Model(outs, [x])
 
 
 def plugin_model(weights: list[gguf.ReaderTensor], k: int) -> ov.Model:

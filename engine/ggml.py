@@ -19,6 +19,8 @@ GGML_LINEAR = "GgmlLinear"
 # (Its second form: weights with interleaved kernels keep their rows interleaved. A cache holding
 # the first form, openvino_model_ggml.xml, writes this one and drops that.)
 GGML_XML = "openvino_model_ggml2.xml"
+# Its input that turns ggml's gemm on for a pass (engine.core.runtime: a prompt reader's passes).
+GEMM_INPUT = "ggml_gemm"
 
 
 def register(core: ov.Core, library: Path) -> None:
@@ -59,13 +61,20 @@ def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray |
 
 
 def linears(
-    x: ov.Output, weights: list[tuple[np.ndarray, int]], library: Path, interleave: bool = True
+    x: ov.Output,
+    weights: list[tuple[np.ndarray, int]],
+    library: Path,
+    interleave: bool = True,
+    gemm: ov.Output | None = None,
 ) -> list[ov.Output]:
     """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
     in one node (the activations quantized once): multiplied by ggml's gemv on the rows
     interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
-    rows as stored."""
-    inputs, types, interleaved_flags = [x], [], []
+    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies interleaved rows by fours of
+    activation rows with ggml's gemm instead, faster over many rows, but a row then rounds with
+    where it falls in its pass: for a prompt's passes (:data:`GEMM_INPUT`)."""
+    flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
+    inputs, types, interleaved_flags = [x, flag], [], []
     for rows, ggml_type in weights:
         grouped = interleaved(rows, ggml_type, library) if interleave else None
         inputs.append(
@@ -73,7 +82,7 @@ def linears(
         )
         types.append(ggml_type)
         interleaved_flags.append(int(grouped is not None))
-    attributes = {"ggml_types": types, "interleaved": interleaved_flags, "gemm": 0}
+    attributes = {"ggml_types": types, "interleaved": interleaved_flags}
     return list(_factory(library).create(GGML_LINEAR, inputs, attributes).outputs())
 
 
@@ -82,19 +91,8 @@ def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interl
     return linears(x, [(rows, ggml_type)], library, interleave)[0]
 
 
-def with_gemm(model: ov.Model, library: Path) -> int:
-    """Turn ggml's gemm on in ``model``'s ops with interleaved rows, in place; return how many. It
-    multiplies four activation rows at a time, faster over many rows than gemv row by row, but a
-    row then rounds with where it falls in its pass: for a graph that reads prompts."""
-    done = 0
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != GGML_LINEAR:
-            continue
-        attributes = node.get_attributes()
-        if any(attributes["interleaved"]) and not attributes["gemm"]:
-            twin = _factory(library).create(GGML_LINEAR, node.input_values(), {**attributes, "gemm": 1})
-            twin.set_friendly_name(node.get_friendly_name())
-            for old, new in zip(node.outputs(), twin.outputs()):
-                old.replace(new)
-            done += 1
-    return done
+def gemm_input() -> ov.Node:
+    """The graph input that turns ggml's gemm on in every op it feeds (:func:`linears`)."""
+    flag = ops.parameter([1], ov.Type.i64, name=GEMM_INPUT)
+    flag.output(0).get_tensor().set_names({GEMM_INPUT})
+    return flag

@@ -47,8 +47,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-reader",
         choices=READERS,
         default="auto",
-        help="how prompts are read: a stateless copy of the target in large passes, in f32 or bf16, "
-        "or off (the target's own passes); auto times it at start and uses it where it reads faster",
+        help="how prompts are read: a stateless copy of the target in large passes, in f32 or bf16 on the "
+        "plugin's kernels; gemm, the target's own passes with ggml's gemm (on ggml's kernels); or off (the "
+        "target's own passes); auto times each the memory budget holds and uses the fastest where it reads faster",
     )
     parser.add_argument(
         "--kernels",

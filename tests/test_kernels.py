@@ -13,8 +13,10 @@ import pytest
 from openvino import opset13 as ops
 
 from engine import ggml
-from engine.core.reader import Reader
-from engine.core.reading import read_plan
+from engine.core.pacing import Pacing
+from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
+from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
+from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
@@ -61,9 +63,8 @@ def compiled(
     core = ov.Core()
     ggml.register(core, library)
     x = ops.parameter([-1, K], ov.Type.f32)
-    model = ov.Model([ggml.linear(x.output(0), rows, int(kind), library, interleave)], [x])
-    if gemm:
-        assert ggml.with_gemm(model, library) == 1
+    flag = ops.constant(np.array([int(gemm)], dtype=np.int64)).output(0)
+    model = ov.Model(ggml.linears(x.output(0), [(rows, int(kind))], library, interleave, flag), [x])
     return core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
 
 
@@ -141,16 +142,25 @@ def test_a_row_length_that_does_not_match_the_blocks_is_refused_with_a_clear_mes
         ggml.linear(x.output(0), rows, int(Q.Q8_0), library)
 
 
-@pytest.fixture(scope="module")
-def gguf_target(hf_target, tiny_dir, tiny_cache, library) -> Path:
-    """The tiny target written as a Q4_0 GGUF, prepared as prepare does (its blocks kept), with
-    its graph on ggml's kernels beside (rows interleaved for ggml's gemv)."""
+def on_ggml(hf_folder: Path, name: str, tiny_dir: Path, tiny_cache: Path, library: Path) -> Path:
+    """``hf_folder``'s model written as a Q4_0 GGUF, prepared as prepare does (its blocks kept),
+    with its graph on ggml's kernels beside (rows interleaved for ggml's gemv)."""
     folder = tiny_dir / "gguf-ggml"
     folder.mkdir(exist_ok=True)
-    file = write_gguf(hf_target, folder / "tiny-Q4_0.gguf", Q.Q4_0)
+    file = write_gguf(hf_folder, folder / f"{name}-Q4_0.gguf", Q.Q4_0)
     entry = prepare_one(str(file), Compression("gguf"), tiny_cache).path
     ggml_ir.write(entry, file, library, print)
     return entry
+
+
+@pytest.fixture(scope="module")
+def gguf_target(hf_target, tiny_dir, tiny_cache, library) -> Path:
+    return on_ggml(hf_target, "tiny", tiny_dir, tiny_cache, library)
+
+
+@pytest.fixture(scope="module")
+def gguf_draft(hf_draft, tiny_dir, tiny_cache, library) -> Path:
+    return on_ggml(hf_draft, "tiny-draft", tiny_dir, tiny_cache, library)
 
 
 def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_target):
@@ -172,11 +182,51 @@ def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_w
     own = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     expected = own.forward(prompt, rows=1)
     read = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
-    reader = Reader(gguf_target, EXACT_CONFIG, "f32", library=library)
+    reader = Reader(gguf_target, EXACT_CONFIG, "f32", on=read)
     assert reader.label == "f32 · ggml kernels"
     for part in read_plan(len(prompt) - 1, width=16):
         reader.read(read, prompt[: part.stop], part)
     np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
+
+
+def test_auto_times_readers_on_both_kernels_and_the_short_run_they_read(gguf_target, library, caplog):
+    target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    with caplog.at_level(logging.INFO, logger="specchat.reader"):
+        chosen = fastest_reader(target)
+    for label in ("the target's own passes, ggml's gemm", "f32 · ggml kernels", "f32"):
+        assert f"prompt reader {label}:" in caplog.text
+    assert chosen is None or chosen.shortest in (SHORT_RUN, SHORTEST_RUN)
+    assert not target.tokens
+
+
+def test_the_targets_own_passes_with_gemm_read_as_its_plain_passes_would(gguf_target, library):
+    prompt = TOKENS * 8
+    expected = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library).forward(prompt)
+    read = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    for part in read_plan(len(prompt) - 1, width=16):
+        GemmReader().read(read, prompt[: part.stop], part)
+    assert read.tokens == prompt[:-1] and read.origins[16] == ReadPass(16, 32, ReadPath.READER)
+    np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "best"])
+def test_greedy_output_is_the_same_in_every_mode_with_the_gemm_reader(gguf_target, gguf_draft, library, mode):
+    engine = Engine(
+        gguf_target,
+        gguf_draft,
+        config=EXACT_CONFIG,
+        kernels="ggml",
+        library=library,
+        prompt_reader="gemm",
+        pacing=Pacing(),
+    )
+    messages = ({"role": "user", "content": " ".join(f"def f{i}(x): return x + {i}" for i in range(12))},)
+    answers = {
+        m: engine.run(Request(messages, mode=m, max_new_tokens=12, reuse_cache=False)) for m in ("autoregressive", mode)
+    }
+    engine.close()
+    assert all(a.kind == "done" for a in answers.values()) and answers["autoregressive"].metrics["prompt_tokens"] > 64
+    assert answers[mode].token_ids == answers["autoregressive"].token_ids
 
 
 def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):

@@ -36,9 +36,9 @@ def test_a_long_prompt_is_read_in_chunks_never_in_one_pass(long_target, reader):
     widths: list[int] = []
     forward = engine.target.forward
 
-    def spy(new_tokens, rows=1):
+    def spy(new_tokens, rows=1, gemm=False):
         widths.append(len(new_tokens))
-        return forward(new_tokens, rows)
+        return forward(new_tokens, rows, gemm)
 
     engine.target.forward = spy
     if engine.reader is not None:
@@ -157,10 +157,10 @@ def test_a_growing_answer_holds_back_a_newcomer_still_reading_which_then_gets_it
     alone = engine.run(newcomer).token_ids
     forward = Runtime.forward
 
-    def slow_reading(self, new_tokens, rows=1):  # a long prompt's passes as a big model's
+    def slow_reading(self, new_tokens, rows=1, gemm=False):  # a long prompt's passes as a big model's
         if len(new_tokens) > 1:
             time.sleep(0.4)
-        return forward(self, new_tokens, rows)
+        return forward(self, new_tokens, rows, gemm)
 
     monkeypatch.setattr(Runtime, "forward", slow_reading)
     with caplog.at_level(logging.INFO, logger="specchat.engine"):

@@ -49,6 +49,7 @@ class Batch:
         self.empty_state = template.empty_state
         self.request = self.compiled.create_infer_request()
         self.max_context = template.max_context
+        self.pass_inputs = template.pass_inputs()
         self.kv_bytes_per_token = template.kv_bytes_per_token
         self.rows: list[Row] = []
         self.slots = 0
@@ -155,6 +156,7 @@ class Batch:
                 "position_ids": (lengths[:, None] + new).astype(np.int64),
                 "beam_idx": np.asarray(self._physical, dtype=np.int32),
                 "logits_to_keep": np.array([fed], dtype=np.int64),
+                **self.pass_inputs,
             }
         )
         self.last_seconds = time.perf_counter() - start

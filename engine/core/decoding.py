@@ -20,7 +20,7 @@ import numpy as np
 from engine.core.drafters import CopyDrafter, Draft, Drafter
 from engine.core.metrics import FinishReason, Stats
 from engine.core.pacing import Choice, Pacer, Pacing, RoundKind, TextKind
-from engine.core.reader import Reader, read_pass
+from engine.core.reader import PromptReader, read_pass
 from engine.core.reading import ReadPath, read_plan, resume_at, steps_only
 from engine.core.requests import DEFAULT_K, DEFAULT_MAX_NEW_TOKENS
 from engine.core.runtime import Runtime, common_prefix
@@ -60,7 +60,7 @@ class DecodeConfig:
     # The prompt reader (engine.core.reader), if one reads faster here than the target's own
     # passes; ``spoken``: the prompt's spans the decoding path reads (answers, each with the token
     # before it); ``breaks``: where the reader's runs restart (the end of the template's opening).
-    reader: Reader | None = None
+    reader: PromptReader | None = None
     spoken: tuple[tuple[int, int], ...] = ()
     breaks: tuple[int, ...] = ()
 
@@ -111,7 +111,10 @@ class Decoder:
         # How the prompt is read, all but its last token (the first round's): a function of the
         # conversation alone, and what of the cache that reading keeps.
         length = len(self.context) - 1
-        self.plan = read_plan(length, config.spoken, config.breaks) if config.reader else steps_only(length)
+        reader = config.reader
+        self.plan = (
+            read_plan(length, config.spoken, config.breaks, shortest=reader.shortest) if reader else steps_only(length)
+        )
         self._kept = resume_at(self.plan, self.context, target)
         stats.prompt_tokens = len(prompt)
         stats.cached_tokens = min(self._kept, length)

@@ -18,36 +18,41 @@ conversation alone (:mod:`engine.core.reading`): an answer is the same whatever 
 
 from __future__ import annotations
 
+import abc
 import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 from openvino._offline_transformations import stateful_to_stateless_transformation
 
-from engine import ggml
 from engine.core import graph
-from engine.core.reading import READ_PASS, ReadPass, ReadPath
+from engine.core.reading import READ_PASS, SHORTEST_RUN, ReadPass, ReadPath
 from engine.core.runtime import Runtime
-from engine.ggml import GGML_XML
+from engine.ggml import GEMM_INPUT
 
 # What a reader's pass grows the process by, per byte of the cache it reads into: its output (a
 # copy of the cache), the past concatenated in each layer and its scratch; measured reading a
 # long paste, with the target's own passes' growth taken off (docs/benchmarks.md, "The prompt reader").
 RESIDENT_PER_READ_BYTE = 6
-# How an engine reads prompts: timed at start, a reader in one precision, or none.
-READERS = ("auto", "f32", "bf16", "off")
+# How an engine reads prompts: timed at start, a stateless reader on the plugin's kernels in one
+# precision, the target's own passes with ggml's gemm, or none.
+READERS = ("auto", "f32", "bf16", "gemm", "off")
 # Where the reader's speed is timed at start: one pass of READ_PASS tokens after this many (a
 # narrower pass than it reads would favour the target's own: docs/benchmarks.md, "The prompt reader").
 PROBE_CONTEXT = 1024
+# A short run the reader is timed on too, at the same place: where it reads that faster than the
+# target's own passes (whose rows cost more the wider a pass, on ggml's kernels), it reads runs
+# that short; else only runs of SHORTEST_RUN or more.
+SHORT_RUN = 16
 log = logging.getLogger("specchat.reader")
 
 
-def read_pass(runtime: Runtime, reader: Reader | None, tokens: Sequence[int], part: ReadPass, chunk: int) -> None:
+def read_pass(runtime: Runtime, reader: PromptReader | None, tokens: Sequence[int], part: ReadPass, chunk: int) -> None:
     """One pass of ``part`` of a plan into ``runtime``'s cache (which holds ``tokens`` up to where
     the part starts, or further into a part of the decoding path's, which it reads in chunks)."""
     held = len(runtime.tokens)
@@ -58,32 +63,73 @@ def read_pass(runtime: Runtime, reader: Reader | None, tokens: Sequence[int], pa
         runtime.forward(tokens[held : min(part.stop, held + chunk)])
 
 
-class Reader:
+class PromptReader(abc.ABC):
+    """Reads runs of prompt text into the target's cache, in the passes of a plan."""
+
+    label: str
+    # What a pass grows the process by, per byte of the cache it reads into.
+    resident_per_read_byte: int
+
+    def __init__(self) -> None:
+        # The shortest run of prompt text it reads (engine.core.reading.read_plan); a shorter one
+        # is the target's own plain passes'. fastest_reader lowers it where the reader wins there too.
+        self.shortest = SHORTEST_RUN
+
+    @abc.abstractmethod
+    def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
+        """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
+        are recorded as written by ``origin`` (None: a pass outside any plan)."""
+
+    def warm_up(self, runtime: Runtime) -> None:
+        """One pass into ``runtime``'s empty cache, left empty after: the plugin sets up the shape
+        (and, for a :class:`Reader` on its kernels, lays out a copy of the weights, which the
+        engine's budget then counts)."""
+        self.read(runtime, [0] * READ_PASS)
+        runtime.release()
+
+
+class GemmReader(PromptReader):
+    """Reads with the target's own passes on ggml's kernels, their gemm on (engine.ggml.GEMM_INPUT):
+    no second model, no copy of the weights or of the cache. Its attention is the target's
+    (row by row over a past, slower the longer the context than a stateless reader's)."""
+
+    label = "the target's own passes, ggml's gemm"
+    resident_per_read_byte = 0  # (its passes grow the process as the target's own do)
+
+    def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
+        """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
+        are recorded as written by ``origin`` (None: a pass outside any plan)."""
+        past = len(runtime.tokens)
+        runtime.forward(tokens[past:], gemm=True)
+        runtime.origins[past:] = [origin] * (len(tokens) - past)
+
+
+class Reader(PromptReader):
     """The target's IR compiled stateless, in ``precision``, last-row logits only."""
 
+    resident_per_read_byte = RESIDENT_PER_READ_BYTE
+
     def __init__(
-        self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None, library: Path | None = None
+        self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None, on: Runtime | None = None
     ):
-        """``library``: the GgmlLinear op's (engine.prepare.kernels), to read on the graph whose
-        linear layers run ggml's kernels, with its gemm (engine.ggml.with_gemm); else the plugin's."""
+        """``on``: a target on ggml's kernels, whose graph the reader reads on with ggml's gemm
+        (engine.ggml.GEMM_INPUT), its weights shared, in memory once; else the IR on the plugin's
+        kernels (which lay out a copy of them)."""
         core = core or ov.Core()
-        xml = Path(ir_dir) / "openvino_model.xml"
-        if library is not None:
-            ggml.register(core, library)
-            xml = xml.with_name(GGML_XML)
-        model = core.read_model(xml)
-        if library is not None:
-            ggml.with_gemm(model, library)
-        graph.slice_logits(model)
+        if on is not None and on.model is not None:
+            model = on.model.clone()  # (its passes set GEMM_INPUT)
+            self.label = precision + " · ggml kernels"
+        else:
+            model = core.read_model(Path(ir_dir) / "openvino_model.xml")
+            graph.slice_logits(model)
+            self.label = precision
         stateful_to_stateless_transformation(model)
-        self.label = precision + (" · ggml kernels" if library is not None else "")
+        super().__init__()
         self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
         self._inputs = {i.get_any_name() for i in model.inputs}
         self._outputs = [o.get_any_name() for o in model.outputs if o.get_any_name() != "logits"]
 
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
-        """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
-        are recorded as written by ``origin`` (None: a pass outside any plan)."""
         past = len(runtime.tokens)
         if runtime.slots != past:
             raise ValueError("the reader needs a cache without masked entries")
@@ -94,6 +140,8 @@ class Reader:
             "position_ids": np.arange(past, len(tokens), dtype=np.int64)[None],
             "logits_to_keep": np.array([1], dtype=np.int64),
         }
+        if GEMM_INPUT in self._inputs:
+            feed[GEMM_INPUT] = np.ones(1, dtype=np.int64)
         pairs = [(state, *self._names(state.name)) for state in states]
         for state, name, _ in pairs:
             feed[name] = state.state if past else ov.Tensor(runtime.empty_state)
@@ -102,13 +150,6 @@ class Reader:
         for state, _, output in pairs:
             state.state = request.get_tensor(output)
         runtime.hold_loaded(tokens, [*runtime.origins, *[origin] * (len(tokens) - past)])
-
-    def warm_up(self, runtime: Runtime) -> None:
-        """One pass into ``runtime``'s empty cache, left empty after: the plugin sets up the shape
-        and lays out its weights for it (a copy of its own: the process grows by about the
-        target's size again, which the engine's budget then counts)."""
-        self.read(runtime, [0] * READ_PASS)
-        runtime.release()
 
     def _names(self, state: str) -> tuple[str, str]:
         """The input and the output a state became (its variable is named after both)."""
@@ -124,30 +165,40 @@ def precisions(core: ov.Core) -> list[str]:
     return ["f32"] + (["bf16"] if "BF16" in capabilities else [])
 
 
-def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | None:
-    """The reader that reads fastest here, or None where the target's own passes read as fast:
-    one in each precision on the plugin's kernels and, where the target runs ggml's, on those
-    with their gemm. Each is timed at start over one pass of
-    :data:`~engine.core.reading.READ_PASS` tokens after :data:`PROBE_CONTEXT` (the gain grows
-    with the context), and logged. The target's cache is left empty."""
+def fastest_reader(
+    target: Runtime, core: ov.Core | None = None, plugin: bool = True, stateless: bool = True
+) -> PromptReader | None:
+    """The reader that reads fastest here, or None where the target's own passes read as fast.
+    Where the target runs ggml's kernels: its own passes with their gemm (:class:`GemmReader`)
+    and, where ``stateless`` (the budget holds the copies of the cache its passes make), a
+    :class:`Reader` on the same graph in each precision. Where ``plugin`` (the budget holds their
+    copy of the weights too), a :class:`Reader` on the plugin's kernels in each precision. Each is
+    timed at start over one pass of :data:`~engine.core.reading.READ_PASS` tokens after
+    :data:`PROBE_CONTEXT` (the gain grows with the context), and logged; the fastest is timed on
+    :data:`SHORT_RUN` tokens too. The target's cache is left empty."""
     core = core or ov.Core()
     context = min(PROBE_CONTEXT, target.max_context - READ_PASS)
     tokens = [0] * (context + READ_PASS)
 
-    def timed(read: Callable[[], object]) -> float:
-        target.fill(context)
+    def timed(read: Callable[[], object], after: int = context) -> float:
+        target.fill(after)
         start = time.perf_counter()
         read()
         seconds = time.perf_counter() - start
         target.release()
         return seconds
 
+    def candidates() -> Iterator[PromptReader]:
+        on_ggml = target.model is not None
+        if on_ggml:
+            yield GemmReader()
+        for precision, on in itertools.product(precisions(core), [None] * plugin + [target] * (on_ggml and stateless)):
+            yield Reader(target.ir_dir, target.config, precision, core, on)
+
     target.forward(tokens[:READ_PASS])  # (the first pass of a shape sets it up)
     own = timed(lambda: target.forward(tokens[context:]))
-    best: tuple[float, Reader | None] = (own, None)
-    libraries = [None] if target.library is None else [None, target.library]
-    for precision, library in itertools.product(precisions(core), libraries):
-        reader = Reader(target.ir_dir, target.config, precision, core, library)
+    best: tuple[float, PromptReader | None] = (own, None)
+    for reader in candidates():
         reader.warm_up(target)
         seconds = timed(functools.partial(reader.read, target, tokens))
         log.info(
@@ -161,5 +212,25 @@ def fastest_reader(target: Runtime, core: ov.Core | None = None) -> Reader | Non
         if seconds < best[0]:
             best = (seconds, reader)
         del reader  # (a slower one's weights go before the next is laid out)
-    log.info("prompt reader: %s", best[1].label if best[1] else "none (no faster here)")
-    return best[1]
+    chosen = best[1]
+    if chosen is not None and _reads_short_runs_faster(chosen, target, timed, context):
+        chosen.shortest = SHORT_RUN
+    log.info(
+        "prompt reader: %s",
+        f"{chosen.label}, for runs of {chosen.shortest} tokens or more" if chosen else "none (no faster here)",
+    )
+    return chosen
+
+
+def _reads_short_runs_faster(reader: PromptReader, target: Runtime, timed: Callable[..., float], context: int) -> bool:
+    """Whether ``reader`` reads :data:`SHORT_RUN` tokens faster than the target's own passes, into
+    an empty cache (a first message) and after ``context`` tokens together."""
+    short = [0] * (context + SHORT_RUN)
+    return (
+        sum(
+            timed(functools.partial(reader.read, target, short[: after + SHORT_RUN]), after)
+            - timed(functools.partial(target.forward, short[after : after + SHORT_RUN]), after)
+            for after in (0, context)
+        )
+        < 0
+    )

@@ -19,7 +19,7 @@ from engine import ggml, manifest
 from engine.core import graph
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, PrepareError
-from engine.ggml import GGML_XML
+from engine.ggml import GEMM_INPUT, GGML_XML
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
@@ -132,6 +132,11 @@ class Runtime:
             graph.shrink_vocabulary(model, vocab_limit)
         self.config = dict(config or {})
         self.compiled = core.compile_model(model, device, self.config)
+        # On ggml's kernels the compiled model reads the graph's weights where they lie: kept, a
+        # prompt reader made from it shares them (engine.core.reader). (The plugin's kernels lay
+        # out a copy: kept, the graph's would stay resident beside it.)
+        self.model = model if kernels is not None else None
+        self._has_gemm_input = any(GEMM_INPUT in i.get_names() for i in model.inputs)
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
@@ -265,11 +270,18 @@ class Runtime:
         self.origins = [*origins[: len(tokens)], *[None] * (len(tokens) - len(origins))]
         self._mask = np.ones(len(self.tokens), dtype=np.int64)
 
-    def forward(self, new_tokens: Sequence[int], rows: int = 1) -> np.ndarray:
-        """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them."""
+    def pass_inputs(self, gemm: bool = False) -> dict[str, np.ndarray]:
+        """The graph's inputs a pass sets besides the tokens: on ggml's kernels, whether its gemm
+        multiplies (engine.ggml.GEMM_INPUT: a prompt reader's passes only, whose rows round with
+        where they fall in a pass; every other pass computes a row alike at any width)."""
+        return {GEMM_INPUT: np.array([int(gemm)], dtype=np.int64)} if self._has_gemm_input else {}
+
+    def forward(self, new_tokens: Sequence[int], rows: int = 1, gemm: bool = False) -> np.ndarray:
+        """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them
+        (``gemm``: :meth:`pass_inputs`)."""
         if self.first_token_alone and not self.tokens and len(new_tokens) > 1:
-            first = self.forward(new_tokens[:1])
-            rest = self.forward(new_tokens[1:], rows)
+            first = self.forward(new_tokens[:1], gemm=gemm)
+            rest = self.forward(new_tokens[1:], rows, gemm)
             return np.concatenate([first, rest])[-rows:] if rows >= len(new_tokens) else rest
         past, m = len(self.tokens), len(new_tokens)
         if past + m > self.max_context:
@@ -282,6 +294,7 @@ class Runtime:
                 "position_ids": np.arange(past, past + m, dtype=np.int64)[None],
                 "beam_idx": np.zeros(1, dtype=np.int32),
                 "logits_to_keep": np.array([min(rows, m)], dtype=np.int64),
+                **self.pass_inputs(gemm),
             }
         )
         self.tokens.extend(new_tokens)

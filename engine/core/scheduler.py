@@ -30,7 +30,7 @@ from engine.core.metrics import Baseline, FinishReason, ModeName, Stats
 from engine.core.modes import MODES
 from engine.core.pacing import BatchPrices, Pacing
 from engine.core.pool import Pools
-from engine.core.reader import Reader
+from engine.core.reader import PromptReader
 from engine.core.requests import Event, EventKind, Request, Stream
 from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
@@ -118,7 +118,7 @@ class Scheduler:
         stop_ids: frozenset[int],
         fence_ids: frozenset[int],
         pools: Pools,
-        reader: Reader | None = None,
+        reader: PromptReader | None = None,
         prices: BatchPrices | None = None,
     ) -> None:
         """``clients``: the ledger the engine admits requests by (a finished one is returned to

@@ -32,7 +32,7 @@ from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import BatchPrices, Pacing, PassCosts
 from engine.core.pool import Pools
-from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, Reader, fastest_reader
+from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, GemmReader, PromptReader, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
 from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
@@ -139,9 +139,14 @@ class Engine:
         self.max_context = self.target.max_context
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
         wanted = max_input_tokens or int(self.max_context * INPUT_SHARE)
-        if prompt_reader == "auto" and not self._affords_reader(memory_limit, per_token, target_bytes, wanted):
+        # A stateless reader copies the cache it reads into; on the plugin's kernels it holds a copy of
+        # the target's weights too (on ggml's it shares them). The target's own passes with ggml's
+        # gemm need neither.
+        stateless = self._affords_reader(memory_limit, per_token, 0, wanted, "a stateless")
+        plugin = stateless and self._affords_reader(memory_limit, per_token, target_bytes, wanted, "the plugin's")
+        if prompt_reader == "auto" and not stateless and self.target.model is None:
             prompt_reader = "off"
-        self.reader = self._reader(prompt_reader)
+        self.reader = self._reader(prompt_reader, plugin, stateless)
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
         if pacing is None and self.draft is not None:
@@ -183,29 +188,33 @@ class Engine:
             BatchPrices(self.pacing.costs) if batch_speculation else None,
         )
 
-    def _reader(self, choice: str) -> Reader | None:
+    def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:
         """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`), its weights laid
-        out (what it holds is in the process's memory before the budget is drawn up)."""
+        out (what it holds is in the process's memory before the budget is drawn up); ``auto``
+        tries the readers the budget holds (:func:`~engine.core.reader.fastest_reader`)."""
         if choice not in READERS:
             raise EngineError(f"unknown prompt reader '{choice}': choose one of {', '.join(READERS)}")
         if choice == "off":
             return None
         if choice == "auto":
-            return fastest_reader(self.target)
-        reader = Reader(self.target.ir_dir, self.target.config, choice, library=self.target.library)
+            return fastest_reader(self.target, plugin=plugin, stateless=stateless)
+        if choice == "gemm" and self.target.model is None:
+            raise EngineError("the prompt reader 'gemm' reads on ggml's kernels: the target runs the plugin's")
+        reader = GemmReader() if choice == "gemm" else Reader(self.target.ir_dir, self.target.config, choice)
         reader.warm_up(self.target)
         return reader
 
-    def _affords_reader(self, memory_limit: int | None, per_token: int, target_bytes: int, wanted: int) -> bool:
-        """Whether the budget holds a prompt reader (about ``target_bytes`` more: its own layout of
-        the target's weights) beside ``wanted`` tokens of input and an answer; logged where not."""
+    def _affords_reader(self, memory_limit: int | None, per_token: int, weights: int, wanted: int, which: str) -> bool:
+        """Whether the budget holds a stateless prompt reader (``weights`` more: its own layout of
+        the target's weights, if any, and the copies of the cache its passes make) beside
+        ``wanted`` tokens of input and an answer; logged where not."""
         reading = self.target.kv_bytes_per_token * RESIDENT_PER_READ_BYTE
-        budget = MemoryBudget.of_machine(memory_limit, resident_bytes() + target_bytes, per_token, reading)
+        budget = MemoryBudget.of_machine(memory_limit, resident_bytes() + weights, per_token, reading)
         if budget.tokens >= wanted + MIN_ANSWER_ROOM:
             return True
         log.info(
-            "prompt reader: none (its %s would leave room for %s tokens of input, under %s: raise --memory-limit)",
-            gib(target_bytes),
+            "prompt reader: not %s one (it would leave room for %s tokens of input, under %s: raise --memory-limit)",
+            which,
             f"{max(0, budget.tokens - MIN_ANSWER_ROOM):,}",
             f"{wanted:,}",
         )
@@ -213,8 +222,10 @@ class Engine:
 
     def _budget(self, memory_limit: int | None, per_token: int) -> MemoryBudget:
         """The memory budget as the process stands (room kept aside for a prompt reader's pass)."""
-        reading = self.target.kv_bytes_per_token * RESIDENT_PER_READ_BYTE if self.reader is not None else 0
-        return MemoryBudget.of_machine(memory_limit, resident_bytes(), per_token, reading)
+        per_byte = self.reader.resident_per_read_byte if self.reader is not None else 0
+        return MemoryBudget.of_machine(
+            memory_limit, resident_bytes(), per_token, self.target.kv_bytes_per_token * per_byte
+        )
 
     # -- the worker -------------------------------------------------------------------------
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.drafters import Drafter
-from engine.core.reader import Reader, read_pass
+from engine.core.reader import PromptReader, read_pass
 from engine.core.reading import ReadPass, read_plan
 from engine.core.runtime import Runtime, common_prefix
 
@@ -70,7 +70,9 @@ class Opening:
     origins: tuple[ReadPass | None, ...] = ()  # what wrote the target's (Runtime.origins)
 
     @classmethod
-    def read(cls, tokens: Sequence[int], runtimes: Sequence[Runtime | None], reader: Reader | None = None) -> Opening:
+    def read(
+        cls, tokens: Sequence[int], runtimes: Sequence[Runtime | None], reader: PromptReader | None = None
+    ) -> Opening:
         """Read ``tokens`` on each runtime (left empty after): the target's through ``reader`` where
         one reads prompts, in the passes of its plan (every prompt's plan restarts after them)."""
         entries: list[dict[str, np.ndarray] | None] = []
@@ -81,7 +83,7 @@ class Opening:
                 continue
             runtime.reset()
             if role == 0 and reader is not None:
-                for part in read_plan(len(tokens)):
+                for part in read_plan(len(tokens), shortest=reader.shortest):
                     read_pass(runtime, reader, tokens, part, len(tokens))
                 origins = list(runtime.origins)
             else:
@@ -112,7 +114,7 @@ class SessionPool:
         build: Callable[[Runtime | None], dict[str, Drafter]],
         capacity: int,
         opening: Sequence[int] = (),
-        reader: Reader | None = None,
+        reader: PromptReader | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"at least one session is needed, got {capacity}")

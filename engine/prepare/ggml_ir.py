@@ -49,8 +49,11 @@ def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path) -> Counter[
         by_input.setdefault((source.get_node().get_name(), source.get_index()), []).append(
             (node, rows, int(tensor.tensor_type))
         )
+    gemm = ggml.gemm_input()
+    model.add_parameters([gemm])
     for group in by_input.values():
-        outputs = ggml.linears(group[0][0].input_value(0), [(rows, kind) for _, rows, kind in group], library)
+        weights = [(rows, kind) for _, rows, kind in group]
+        outputs = ggml.linears(group[0][0].input_value(0), weights, library, gemm=gemm.output(0))
         interleaved = outputs[0].get_node().get_attributes()["interleaved"]
         for (node, _, kind), output, grouped in zip(group, outputs, interleaved):
             node.output(0).replace(output)

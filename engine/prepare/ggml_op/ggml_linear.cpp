@@ -1,15 +1,15 @@
 // GgmlLinear: y_i = x @ W_i^T for weights kept in their GGUF blocks, computed by ggml's CPU kernels
 // inside an OpenVINO graph (docs/design.md, "The GGUF's own kernels").
 //
-// Inputs: x, f32 [..., K]; w_1 .. w_n, u8 [N_i, row_bytes_i], each weight's rows in the GGUF's
-// blocks. The weights share their input: a layer's q, k and v projections, or its gate and up,
+// Inputs: x, f32 [..., K]; gemm, i64 (or i32) [1]: 1 to multiply interleaved rows by fours of activation
+// rows with ggml's gemm (a graph input: a prompt's passes set it); w_1 .. w_n, u8 [N_i,
+// row_bytes_i], each weight's rows in the GGUF's blocks. The weights share their input: a layer's q, k and v projections, or its gate and up,
 // are one node, so the activations are quantized once and the plugin runs one node instead of
 // three (each node costs it a shape inference and a hand-over to its threads on every pass).
 // Attributes, one entry per weight: ggml_types, the rows' ggml type (Q4_K, Q6_K, Q8_0, Q5_0, F16,
 // ...); interleaved, 1 where the rows are interleaved 8 at a time as ggml's CPU "repack" buffer
 // lays them out for its gemm and gemv (specchat_interleave below writes them), 0 where they are as
-// the file stores them. And gemm: 1 to multiply interleaved rows by fours of activation rows with
-// ggml's gemm. Outputs: f32 [..., N_i].
+// the file stores them. Outputs: f32 [..., N_i].
 //
 // Activation rows are quantized once per dot type (Q8_K for the K-quants, Q8_0 for the legacy
 // ones), as llama.cpp does. Interleaved weights are multiplied by ggml's gemv one activation row
@@ -49,6 +49,7 @@ constexpr int64_t COLUMNS_PER_BLOCK = 64;
 constexpr int64_t ROWS_PER_TILE = 64;
 constexpr int64_t INTERLEAVE = 8;  // weight rows interleaved together
 constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a time
+constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and gemm)
 
 using Gemx = void (*)(int, float*, size_t, const void*, const void*, int, int);
 using Quantize4 = void (*)(const float*, void*, int64_t);
@@ -198,23 +199,25 @@ public:
 
     GgmlLinear() = default;
 
-    GgmlLinear(const ov::OutputVector& inputs,
-               std::vector<int64_t> types,
-               std::vector<int64_t> interleaved,
-               int64_t gemm)
+    GgmlLinear(const ov::OutputVector& inputs, std::vector<int64_t> types, std::vector<int64_t> interleaved)
         : Op(inputs),
           m_types(std::move(types)),
-          m_interleaved(std::move(interleaved)),
-          m_gemm(gemm) {
+          m_interleaved(std::move(interleaved)) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        const size_t weights = get_input_size() - 1;
+        const size_t weights = get_input_size() - WEIGHTS;
         NODE_VALIDATION_CHECK(this,
-                              get_input_size() >= 2 && m_types.size() == weights && m_interleaved.size() == weights,
+                              get_input_size() > WEIGHTS && m_types.size() == weights && m_interleaved.size() == weights,
                               "one ggml type and one interleaved flag per weight");
         NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
+        // (declared i64; the CPU plugin runs its graphs' i64 as i32)
+        const auto flag = get_input_element_type(1);
+        NODE_VALIDATION_CHECK(this,
+                              (flag == ov::element::i64 || flag == ov::element::i32) &&
+                                  get_input_partial_shape(1).compatible({1}),
+                              "gemm must be i64 [1]");
         const auto& x = get_input_partial_shape(0);
         for (size_t i = 0; i < weights; ++i)
             set_output_type(i, ov::element::f32, weight_output(i, x));
@@ -222,13 +225,12 @@ public:
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
-        return std::make_shared<GgmlLinear>(args, m_types, m_interleaved, m_gemm);
+        return std::make_shared<GgmlLinear>(args, m_types, m_interleaved);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("ggml_types", m_types);
         visitor.on_attribute("interleaved", m_interleaved);
-        visitor.on_attribute("gemm", m_gemm);
         return true;
     }
 
@@ -241,6 +243,8 @@ public:
         const auto x_shape = x.get_shape();
         const int64_t k = static_cast<int64_t>(x_shape.back());
         const int64_t m = k ? static_cast<int64_t>(x.get_size()) / k : 0;
+        const bool gemm = inputs[1].get_element_type() == ov::element::i64 ? inputs[1].data<const int64_t>()[0] != 0
+                                                                           : inputs[1].data<const int32_t>()[0] != 0;
         thread_local std::vector<Quantized> quantized;  // (scratch kept per calling thread)
         size_t kinds = 0;
         std::vector<Product> products(m_types.size());
@@ -251,8 +255,8 @@ public:
             p.il = m_interleaved[i] ? interleaved_kernels(m_types[i]) : nullptr;
             if (p.tr == nullptr || (m_interleaved[i] && p.il == nullptr))
                 return false;
-            p.gemm = p.il != nullptr && m_gemm != 0;
-            const ov::Tensor& w = inputs[i + 1];
+            p.gemm = p.il != nullptr && gemm;
+            const ov::Tensor& w = inputs[i + WEIGHTS];
             p.w = w.data<const uint8_t>();
             p.w_row = w.get_shape()[1];
             p.n = static_cast<int64_t>(w.get_shape()[0]);
@@ -290,8 +294,8 @@ private:
                               !m_interleaved[i] || interleaved_kernels(type) != nullptr,
                               "ggml has no interleaved kernels for ",
                               ggml_type_name(static_cast<ggml_type>(type)));
-        NODE_VALIDATION_CHECK(this, get_input_element_type(i + 1) == ov::element::u8, "w must be u8 blocks");
-        const auto& w = get_input_partial_shape(i + 1);
+        NODE_VALIDATION_CHECK(this, get_input_element_type(i + WEIGHTS) == ov::element::u8, "w must be u8 blocks");
+        const auto& w = get_input_partial_shape(i + WEIGHTS);
         NODE_VALIDATION_CHECK(this, w.rank().is_static() && w.rank().get_length() == 2, "w must be [N, row_bytes]");
         NODE_VALIDATION_CHECK(this,
                               !m_interleaved[i] || (w[0].is_static() && w[0].get_length() % INTERLEAVE == 0),
@@ -321,7 +325,6 @@ private:
 
     std::vector<int64_t> m_types;
     std::vector<int64_t> m_interleaved;
-    int64_t m_gemm = 0;
 };
 
 }  // namespace specchat
