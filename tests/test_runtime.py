@@ -15,7 +15,7 @@ def _record_widths(runtime: Runtime) -> list[int]:
     """The number of tokens of every pass ``runtime`` runs from now on (``del runtime.forward`` stops it)."""
     widths: list[int] = []
     forward = runtime.forward
-    runtime.forward = lambda new, rows=1: widths.append(len(new)) or forward(new, rows)
+    runtime.forward = lambda new, rows=1, gemm=False: widths.append(len(new)) or forward(new, rows, gemm)
     return widths
 
 
