@@ -43,7 +43,7 @@ namespace {
 // Output columns a thread takes at a time in a pass of several rows (a multiple of INTERLEAVE):
 // their weight rows stay in the core's L2 while a tile of activation rows passes. A 1-row pass
 // takes its whole range at once (in one call, a plain step is faster by a tenth).
-constexpr int64_t COLUMNS_PER_BLOCK = 64;
+constexpr int64_t COLUMNS_PER_BLOCK = 256;
 // Activation rows multiplied with a block of weight rows before the next block (a multiple of
 // GEMM_ROWS): their quantized copies stay in cache however long the pass (a prompt).
 constexpr int64_t ROWS_PER_TILE = 64;
