@@ -329,7 +329,7 @@ def test_multi_turn_reuses_the_cache_and_equals_a_fresh_run(engine):
     cached = common_prefix(engine.target.tokens, prompt2)
     widths = []
     forward = engine.target.forward
-    engine.target.forward = lambda new, rows=1: widths.append(len(new)) or forward(new, rows)
+    engine.target.forward = lambda new, rows=1, gemm=False: widths.append(len(new)) or forward(new, rows, gemm)
     try:
         reused = engine.run(Request(turn2, max_new_tokens=20))
     finally:

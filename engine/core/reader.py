@@ -1,5 +1,5 @@
-"""The prompt reader: a second compiled model of the target that reads prompt text in large passes
-and hands the resulting cache to the decoding request.
+"""Prompt readers: what reads runs of prompt text into the target's cache in large passes, other
+than the decoding request's own plain passes.
 
 The decoding request is stateful: its KV cache lives in the plugin's states. For a pass of many
 rows over such a cache, the CPU plugin fuses the cache's concat into attention and then runs its
@@ -8,7 +8,8 @@ one-token attention kernel row by row (``scaled_attn.cpp``: ``use_one_token = L1
 reader is the same IR made stateless (every state an input and an output): its attention runs the
 multi-row kernel (MLAS sgemm in f32, oneDNN brgemm in bf16, AMX where the CPU has it). It reads
 from the decoding request's states and writes its output back into them; decoding, verifying and
-every answer token stay on the stateful f32 path.
+every answer token stay on the stateful f32 path. On ggml's kernels the target's own passes with
+ggml's gemm switched on read prompts too (:class:`GemmReader`): no second model and no copies.
 
 The reader's rows round differently from the stateful path's, and with where its passes start and
 end. So where each pass starts and ends, and which path reads which token, is a function of the
