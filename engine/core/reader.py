@@ -46,9 +46,9 @@ READERS = ("auto", "f32", "bf16", "gemm", "off")
 # Where the reader's speed is timed at start: one pass of READ_PASS tokens after this many (a
 # narrower pass than it reads would favour the target's own: docs/benchmarks.md, "The prompt reader").
 PROBE_CONTEXT = 1024
-# A short run the reader is timed on too, at the same place: where it reads that faster than the
-# target's own passes (whose rows cost more the wider a pass, on ggml's kernels), it reads runs
-# that short; else only runs of SHORTEST_RUN or more.
+# The shortest run a reader on ggml's kernels reads: from 16 tokens it read faster than the
+# target's own passes, into an empty cache and after 1,024 tokens (docs/benchmarks.md, "The GGUF's
+# own kernels"); elsewhere a reader reads runs of SHORTEST_RUN or more.
 SHORT_RUN = 16
 log = logging.getLogger("specchat.reader")
 
@@ -71,10 +71,12 @@ class PromptReader(abc.ABC):
     # What a pass grows the process by, per byte of the cache it reads into.
     resident_per_read_byte: int
 
-    def __init__(self) -> None:
+    def __init__(self, on_ggml: bool) -> None:
         # The shortest run of prompt text it reads (engine.core.reading.read_plan); a shorter one
-        # is the target's own plain passes'. fastest_reader lowers it where the reader wins there too.
-        self.shortest = SHORTEST_RUN
+        # is the target's own plain passes'. On ggml's kernels those cost more per row the wider
+        # they are, so a reader there reads short runs too. (A rule, not a timing: replicas that
+        # take over each other's conversations must read them alike.)
+        self.shortest = SHORT_RUN if on_ggml else SHORTEST_RUN
 
     @abc.abstractmethod
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
@@ -96,6 +98,9 @@ class GemmReader(PromptReader):
 
     label = "the target's own passes, ggml's gemm"
     resident_per_read_byte = 0  # (its passes grow the process as the target's own do)
+
+    def __init__(self) -> None:
+        super().__init__(on_ggml=True)
 
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
         """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
@@ -125,7 +130,7 @@ class Reader(PromptReader):
             graph.slice_logits(model)
             self.label = precision
         stateful_to_stateless_transformation(model)
-        super().__init__()
+        super().__init__(on_ggml=on is not None and on.model is not None)
         self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
         self._inputs = {i.get_any_name() for i in model.inputs}
         self._outputs = [o.get_any_name() for o in model.outputs if o.get_any_name() != "logits"]
@@ -175,14 +180,14 @@ def fastest_reader(
     :class:`Reader` on the same graph in each precision. Where ``plugin`` (the budget holds their
     copy of the weights too), a :class:`Reader` on the plugin's kernels in each precision. Each is
     timed at start over one pass of :data:`~engine.core.reading.READ_PASS` tokens after
-    :data:`PROBE_CONTEXT` (the gain grows with the context), and logged; the fastest is timed on
-    :data:`SHORT_RUN` tokens too. The target's cache is left empty."""
+    :data:`PROBE_CONTEXT` (the gain grows with the context), and logged. The target's cache is
+    left empty."""
     core = core or ov.Core()
     context = min(PROBE_CONTEXT, target.max_context - READ_PASS)
     tokens = [0] * (context + READ_PASS)
 
-    def timed(read: Callable[[], object], after: int = context) -> float:
-        target.fill(after)
+    def timed(read: Callable[[], object]) -> float:
+        target.fill(context)
         start = time.perf_counter()
         read()
         seconds = time.perf_counter() - start
@@ -214,24 +219,8 @@ def fastest_reader(
             best = (seconds, reader)
         del reader  # (a slower one's weights go before the next is laid out)
     chosen = best[1]
-    if chosen is not None and _reads_short_runs_faster(chosen, target, timed, context):
-        chosen.shortest = SHORT_RUN
     log.info(
         "prompt reader: %s",
         f"{chosen.label}, for runs of {chosen.shortest} tokens or more" if chosen else "none (no faster here)",
     )
     return chosen
-
-
-def _reads_short_runs_faster(reader: PromptReader, target: Runtime, timed: Callable[..., float], context: int) -> bool:
-    """Whether ``reader`` reads :data:`SHORT_RUN` tokens faster than the target's own passes, into
-    an empty cache (a first message) and after ``context`` tokens together."""
-    short = [0] * (context + SHORT_RUN)
-    return (
-        sum(
-            timed(functools.partial(reader.read, target, short[: after + SHORT_RUN]), after)
-            - timed(functools.partial(target.forward, short[after : after + SHORT_RUN]), after)
-            for after in (0, context)
-        )
-        < 0
-    )
