@@ -260,3 +260,5 @@ def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_
     engine.close()
     with pytest.raises(EngineError, match="GGUF"):
         Engine(ir_target, None, config=EXACT_CONFIG, kernels="ggml", library=library)
+    with pytest.raises(EngineError, match="'gemm' reads on ggml's kernels"):
+        Engine(ir_target, None, config=EXACT_CONFIG, prompt_reader="gemm")
