@@ -103,8 +103,6 @@ class GemmReader(PromptReader):
         super().__init__(on_ggml=True)
 
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
-        """Append ``tokens[len(runtime.tokens):]`` to ``runtime``'s cache in one pass; its entries
-        are recorded as written by ``origin`` (None: a pass outside any plan)."""
         past = len(runtime.tokens)
         runtime.forward(tokens[past:], gemm=True)
         runtime.origins[past:] = [origin] * (len(tokens) - past)
@@ -122,15 +120,16 @@ class Reader(PromptReader):
         (engine.ggml.GEMM_INPUT), its weights shared, in memory once; else the IR on the plugin's
         kernels (which lay out a copy of them)."""
         core = core or ov.Core()
-        if on is not None and on.model is not None:
-            model = on.model.clone()  # (its passes set GEMM_INPUT)
+        shared = on.model if on is not None else None
+        if shared is not None:
+            model = shared.clone()  # (its passes set GEMM_INPUT)
             self.label = precision + " · ggml kernels"
         else:
             model = core.read_model(Path(ir_dir) / "openvino_model.xml")
             graph.slice_logits(model)
             self.label = precision
         stateful_to_stateless_transformation(model)
-        super().__init__(on_ggml=on is not None and on.model is not None)
+        super().__init__(on_ggml=shared is not None)
         self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
         self._inputs = {i.get_any_name() for i in model.inputs}
         self._outputs = [o.get_any_name() for o in model.outputs if o.get_any_name() != "logits"]
