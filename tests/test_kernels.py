@@ -13,6 +13,7 @@ import pytest
 from openvino import opset13 as ops
 
 from engine import ggml
+from engine.core import hugepages
 from engine.core.pacing import Pacing
 from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
 from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
@@ -108,18 +109,21 @@ def test_a_type_without_interleaved_kernels_keeps_its_rows(library, kind):
     assert ggml.interleaved(random_rows(kind, N, K, seed=13), int(kind), library) is None
 
 
-def test_gemm_reads_many_rows_as_gemv_does_within_rounding(library):
+@pytest.mark.parametrize(
+    ("kind", "interleave"), [(Q.Q4_K, True), (Q.Q4_K, False), (Q.Q6_K, False), (Q.Q8_0, False), (Q.Q5_0, False)]
+)
+def test_gemm_reads_many_rows_as_a_row_alone_does_within_rounding(library, kind, interleave):
     """Over more rows than a tile, and a last four left incomplete: every row is computed, and
-    without gemm each is the row alone, bit for bit."""
-    rows = random_rows(Q.Q4_K, N, K, seed=14)
+    without gemm each is the row alone, bit for bit. With gemm, interleaved rows go through ggml's
+    gemm, rows as stored through its own mul_mat (its tiled kernels for the K-quants)."""
+    rows = random_rows(kind, N, K, seed=14)
     x = np.random.default_rng(15).standard_normal((150, K)).astype(np.float32)
-    plain = compiled(library, rows, Q.Q4_K)
-    gemv = plain({0: x})[0]
+    plain = compiled(library, rows, kind, interleave=interleave)
+    alone = plain({0: x})[0]
     for i in (0, 63, 64, 149):
-        np.testing.assert_array_equal(gemv[i : i + 1], plain({0: x[i : i + 1]})[0])
-    np.testing.assert_allclose(
-        compiled(library, rows, Q.Q4_K, gemm=True)({0: x})[0], gemv, atol=1e-5 * np.abs(gemv).max()
-    )
+        np.testing.assert_array_equal(alone[i : i + 1], plain({0: x[i : i + 1]})[0])
+    batched = compiled(library, rows, kind, interleave=interleave, gemm=True)({0: x})[0]
+    np.testing.assert_allclose(batched, alone, atol=1e-5 * np.abs(alone).max())
 
 
 def test_a_graph_with_the_op_is_saved_and_read_back(library, tmp_path):
@@ -262,3 +266,53 @@ def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_
         Engine(ir_target, None, config=EXACT_CONFIG, kernels="ggml", library=library)
     with pytest.raises(EngineError, match="'gemm' reads on ggml's kernels"):
         Engine(ir_target, None, config=EXACT_CONFIG, prompt_reader="gemm")
+
+
+def q4k_model(library, weights: list[np.ndarray]) -> ov.Model:
+    x = ops.parameter([-1, K], ov.Type.f32)
+    flag = ops.constant(np.array([0], dtype=np.int64)).output(0)
+    outputs = ggml.linears(x.output(0), [(w, int(Q.Q4_K)) for w in weights], library, True, flag)
+    return ov.Model(outputs, [x])
+
+
+def outputs_of(library, model: ov.Model, x: np.ndarray) -> list[np.ndarray]:
+    core = ov.Core()
+    ggml.register(core, library)
+    result = core.compile_model(model, "CPU")({0: x})
+    return [result[i] for i in range(len(model.outputs))]
+
+
+def weight_addresses(model: ov.Model) -> list[int]:
+    return [
+        port.get_source_output().get_node().get_data().ctypes.data
+        for node in model.get_ordered_ops()
+        if node.get_type_name() == hugepages.OP
+        for port in list(node.inputs())[hugepages.WEIGHTS :]
+    ]
+
+
+@pytest.mark.skipif(not hugepages.available(), reason="this kernel gives no transparent huge pages")
+def test_moved_weights_lie_in_one_region_on_huge_pages_and_compute_the_same(library):
+    weights = [random_rows(Q.Q4_K, N, K, seed=seed) for seed in (1, 2, 3)]
+    x = np.random.default_rng(4).standard_normal((5, K)).astype(np.float32)
+    model = q4k_model(library, weights)
+    before = outputs_of(library, model, x)
+    region = hugepages.move_weights(model)
+    assert region is not None
+    base = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    addresses = weight_addresses(model)
+    assert len(addresses) == len(weights)
+    assert all(base <= a < base + len(region) for a in addresses)
+    assert min(addresses) % hugepages.HUGE_PAGE == 0  # (the region starts on a huge page)
+    for got, expected in zip(outputs_of(library, model, x), before, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_without_transparent_huge_pages_the_weights_stay_where_they_are(library, tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(hugepages, "THP_SETTING", setting)
+    model = q4k_model(library, [random_rows(Q.Q4_K, N, K, seed=5)])
+    addresses = weight_addresses(model)
+    assert hugepages.move_weights(model) is None
+    assert weight_addresses(model) == addresses

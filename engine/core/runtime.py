@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 
 from engine import ggml, manifest
-from engine.core import graph
+from engine.core import graph, hugepages
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, PrepareError
 from engine.ggml import GEMM_INPUT, GGML_XML
@@ -130,6 +130,9 @@ class Runtime:
         graph.slice_logits(model)
         if vocab_limit and vocab_limit < graph.vocabulary_rows(model):
             graph.shrink_vocabulary(model, vocab_limit)
+        # (ggml's kernels stream their weights from huge pages: a plain step is faster by about 6%:
+        # engine.core.hugepages)
+        self._weights = hugepages.move_weights(model) if kernels is not None else None
         self.config = dict(config or {})
         self.compiled = core.compile_model(model, device, self.config)
         # On ggml's kernels the compiled model reads the graph's weights where they lie: kept, a

@@ -1,11 +1,12 @@
 // GgmlLinear: y_i = x @ W_i^T for weights kept in their GGUF blocks, computed by ggml's CPU kernels
 // inside an OpenVINO graph (docs/design.md, "The GGUF's own kernels").
 //
-// Inputs: x, f32 [..., K]; gemm, i64 (or i32) [1]: 1 to multiply interleaved rows by fours of activation
-// rows with ggml's gemm (a graph input: a prompt's passes set it); w_1 .. w_n, u8 [N_i,
-// row_bytes_i], each weight's rows in the GGUF's blocks. The weights share their input: a layer's q, k and v projections, or its gate and up,
-// are one node, so the activations are quantized once and the plugin runs one node instead of
-// three (each node costs it a shape inference and a hand-over to its threads on every pass).
+// Inputs: x, f32 [..., K]; gemm, i64 (or i32) [1]: 1 to multiply by ggml's batched kernels, whose
+// rows round with where they fall in a pass (a graph input: a prompt's passes set it); w_1 .. w_n,
+// u8 [N_i, row_bytes_i], each weight's rows in the GGUF's blocks. The weights share their input: a
+// layer's q, k and v projections, or its gate and up, are one node, so the activations are
+// quantized once and the plugin runs one node instead of three (each node costs it a shape
+// inference and a hand-over to its threads on every pass).
 // Attributes, one entry per weight: ggml_types, the rows' ggml type (Q4_K, Q6_K, Q8_0, Q5_0, F16,
 // ...); interleaved, 1 where the rows are interleaved 8 at a time as ggml's CPU "repack" buffer
 // lays them out for its gemm and gemv (specchat_interleave below writes them), 0 where they are as
@@ -16,10 +17,12 @@
 // at a time, or with `gemm` by its gemm four rows at a time and gemv for the rows left over
 // (llama.cpp's own way for a repacked weight: faster for many rows, but a row then rounds
 // differently with where it falls, so it is for prompt passes). Rows as stored go through the
-// type's vec_dot, one weight row by one activation row. Without gemm, a row's result never
-// depends on the other rows, bit for bit. A weight row is read once per tile of activation rows,
-// and the weights' columns are split across the plugin's own threads (the TBB arena the inference
-// runs in): the op adds no thread of its own.
+// type's vec_dot, one weight row by one activation row, or with `gemm` through ggml's own mul_mat
+// (its tiled kernels for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K
+// weight). Without gemm, a row's result never depends on the other rows, bit for bit.
+// A weight row is read once per tile of activation rows, and the weights' columns are split across
+// the plugin's own threads (the TBB arena the inference runs in): the op adds no thread of its
+// own (ggml's mul_mat runs on the thread that calls it).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -50,6 +53,7 @@ constexpr int64_t ROWS_PER_TILE = 64;
 constexpr int64_t INTERLEAVE = 8;  // weight rows interleaved together
 constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a time
 constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and gemm)
+constexpr size_t GRAPH_NODES = 4;  // ggml's graph of one mul_mat: its weight, activations and result
 
 using Gemx = void (*)(int, float*, size_t, const void*, const void*, int, int);
 using Quantize4 = void (*)(const float*, void*, int64_t);
@@ -129,6 +133,7 @@ void quantize(const float* x, int64_t m, int64_t k, Quantized& q) {
 
 // One weight of a call: its n rows against the m quantized activation rows, into y [m, n].
 struct Product {
+    ggml_type type;
     const ggml_type_traits_cpu* tr;
     const Interleaved* il;  // null: rows as stored (vec_dot)
     bool gemm;
@@ -162,8 +167,35 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
         p.il->gemv(static_cast<int>(k), p.y + row * p.n + first, p.n, w, xq + row * p.x->row, 1, cols);
 }
 
+// Columns [first, last) of rows as stored, every row, through ggml's own mul_mat on this thread
+// (its tiled kernels for the K-quants from 8 rows on, llamafile's sgemm for the legacy ones): a
+// prompt pass's way for rows no interleaved kernel reads.
+void multiply_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+    thread_local std::vector<uint8_t> context(3 * ggml_tensor_overhead() + ggml_graph_overhead_custom(GRAPH_NODES, false));
+    thread_local std::vector<uint8_t> work;
+    ggml_init_params params{context.size(), context.data(), true};
+    ggml_context* ctx = ggml_init(params);
+    ggml_tensor* w = ggml_new_tensor_2d(ctx, p.type, k, last - first);
+    w->data = const_cast<uint8_t*>(p.w + first * p.w_row);
+    ggml_tensor* x = ggml_new_tensor_2d(ctx, p.x->type, k, m);
+    x->data = const_cast<uint8_t*>(p.x->data.data());
+    ggml_tensor* y = ggml_mul_mat(ctx, w, x);
+    y->data = p.y + first;
+    y->nb[1] = static_cast<size_t>(p.n) * sizeof(float);
+    y->nb[2] = y->nb[3] = y->nb[1] * static_cast<size_t>(m);
+    ggml_cgraph* graph = ggml_new_graph_custom(ctx, GRAPH_NODES, false);
+    ggml_build_forward_expand(graph, y);
+    ggml_cplan plan = ggml_graph_plan(graph, 1, nullptr);
+    work.resize(plan.work_size);
+    plan.work_data = work.data();
+    ggml_graph_compute(graph, &plan);
+    ggml_free(ctx);
+}
+
 // Columns [first, last) of p, every row.
 void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+    if (p.gemm && p.il == nullptr)
+        return multiply_by_ggml(p, m, k, first, last);
     const int64_t block = m > 1 ? COLUMNS_PER_BLOCK : last - first;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_TILE)
         for (int64_t c0 = first; c0 < last; c0 += block)
@@ -251,11 +283,12 @@ public:
         std::vector<size_t> inputs_of(m_types.size());  // which of `quantized` each weight reads
         for (size_t i = 0; i < m_types.size(); ++i) {
             Product& p = products[i];
+            p.type = static_cast<ggml_type>(m_types[i]);
             p.tr = traits(m_types[i]);
             p.il = m_interleaved[i] ? interleaved_kernels(m_types[i]) : nullptr;
             if (p.tr == nullptr || (m_interleaved[i] && p.il == nullptr))
                 return false;
-            p.gemm = p.il != nullptr && gemm;
+            p.gemm = gemm;
             const ov::Tensor& w = inputs[i + WEIGHTS];
             p.w = w.data<const uint8_t>();
             p.w_row = w.get_shape()[1];
