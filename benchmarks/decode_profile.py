@@ -1,6 +1,6 @@
 """Where a plain decode step's time goes, ours against llama.cpp's, against the memory bandwidth.
 
-    python -m benchmarks.decode_profile [--steps 64] [--json OUT] [--table OUT]
+    python -m benchmarks.decode_profile [--steps 64] [--rounds 3] [--json OUT] [--table OUT]
 
 A decode step on a memory-bound CPU reads every weight once, so its floor is the weight bytes
 over the machine's read bandwidth. For our target (a raw ``Runtime`` with the engine's
@@ -49,7 +49,8 @@ COLUMNS = [
     Column("weight MB per token", "weight_mb", "{:.0f}"),
     Column("GB/s achieved", "gb_per_s", "{:.1f}"),
     Column("share of the machine's read bandwidth", "bandwidth_share", "{:.0%}"),
-    Column("speed against llama.cpp", "vs_llamacpp", "{:.2f}x"),
+    Column("speed against llama.cpp (median of rounds)", "vs_llamacpp", "{:.2f}x"),
+    Column("range over rounds", "vs_llamacpp_range"),
 ]
 PROFILE_COLUMNS = [
     Column("node type", "node_type"),
@@ -168,27 +169,38 @@ def profile(args: argparse.Namespace) -> None:
     limit = read_bandwidth(threads)
     cache_dir = cache_dir_from_args(args)
     # Each kernels our target can run on (ggml's where it came from a GGUF), timed without the
-    # counters (they cost time of their own); the profiled runs come after.
+    # counters (they cost time of their own; the profiled runs come after), in rounds that
+    # alternate with llama.cpp's: this VM's speed drifts within minutes, so each round's ratio is
+    # taken within the round, and the medians over rounds are reported.
     libraries = [None, *filter(None, [ggml_ir.for_model(target, cache_dir)])]
-    ours = {}
-    for library in libraries:
-        runtime = Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True, kernels=library)
-        ours[library] = (runtime.label, timed_steps(runtime, prompt, args.steps))
-        del runtime
+    runtimes = {
+        library: Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True, kernels=library)
+        for library in libraries
+    }
     gguf = llamacpp.gguf_file(args.target, cache_dir)
     peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), gguf, threads=threads)
+    ours: dict[Path | None, list[float]] = {library: [] for library in libraries}
+    rounds: list[float] = []  # llama.cpp's per round
     try:
         peer.run(prompt, args.steps, None)  # its warm-up
-        peer.run(prompt, args.steps, None)
-        theirs = peer.timings["predicted_per_token_ms"] / 1000
+        for _ in range(args.rounds):
+            for library, runtime in runtimes.items():
+                runtime.reset()
+                ours[library].append(statistics.median(timed_steps(runtime, prompt, args.steps)))
+            peer.run(prompt, args.steps, None)
+            rounds.append(peer.timings["predicted_per_token_ms"] / 1000)
     finally:
         peer.close()
+    labels = {library: runtime.label for library, runtime in runtimes.items()}
+    del runtimes
     rows = []
     measured = [
-        (f"ours ({label})", statistics.median(seconds), ir_weight_bytes(target.path, library))
-        for library, (label, seconds) in ours.items()
+        (f"ours ({labels[library]})", per_round, ir_weight_bytes(target.path, library))
+        for library, per_round in ours.items()
     ]
-    for name, seconds, weights in [*measured, ("llama.cpp (Q4_K_M GGUF)", theirs, gguf_weight_bytes(gguf))]:
+    for name, per_round, weights in [*measured, ("llama.cpp (Q4_K_M GGUF)", rounds, gguf_weight_bytes(gguf))]:
+        seconds = statistics.median(per_round)
+        ratios = [t / s for t, s in zip(rounds, per_round, strict=True)]
         rows.append(
             {
                 "engine": name,
@@ -197,13 +209,13 @@ def profile(args: argparse.Namespace) -> None:
                 "weight_mb": weights / 1e6,
                 "gb_per_s": weights / seconds / 1e9,
                 "bandwidth_share": weights / seconds / limit,
+                "vs_llamacpp": statistics.median(ratios),
+                "vs_llamacpp_range": f"{min(ratios):.2f}–{max(ratios):.2f}",
             }
         )
-    for row in rows:
-        row["vs_llamacpp"] = theirs * 1000 / row["ms_per_token"]
     text = f"Read bandwidth: {limit / 1e9:.1f} GB/s ({threads} threads)\n\n{markdown_table(rows, COLUMNS)}"
     profiles = {}
-    for library, (label, _) in ours.items():
+    for library, label in labels.items():
         by_node, step_ms = node_profile(target.path, prompt, args.steps, library)
         profiles[label] = {"profile": by_node, "step_ms": step_ms}
         text += (
@@ -220,7 +232,8 @@ def profile(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--steps", type=int, default=64, help="decode steps measured")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps measured per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating ours and llama.cpp's")
     add_output_arguments(parser)
     return run_cli(lambda: profile(parser.parse_args(argv)))
 
