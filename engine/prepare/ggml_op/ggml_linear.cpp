@@ -52,6 +52,10 @@ constexpr int64_t COLUMNS_PER_BLOCK = 256;
 constexpr int64_t ROWS_PER_TILE = 64;
 constexpr int64_t INTERLEAVE = 8;  // weight rows interleaved together
 constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a time
+// From this many rows a prompt pass puts interleaved rows back as stored and multiplies them by
+// ggml's tiled kernels: a 1536 -> 8960 Q4_K layer took as long so as by gemm at 16 and 24 rows,
+// 2.6 ms against 3.7 at 64 rows and 8.5 against 14.7 at 256 (putting its rows back: 0.5 ms).
+constexpr int64_t TILED_ROWS = 32;
 constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and gemm)
 constexpr size_t GRAPH_NODES = 4;  // ggml's graph of one mul_mat: its weight, activations and result
 
@@ -60,18 +64,73 @@ using Quantize4 = void (*)(const float*, void*, int64_t);
 
 // ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
 // the layout ggml's repack buffer chooses for these types.
+using Deinterleave = void (*)(const uint8_t* group, uint8_t* rows, int64_t blocks);
+
+// Q4_K's 12 bytes of 6-bit scales and mins (8 of each), as the GGUF format packs them.
+void unpack_scales(const uint8_t* q, uint8_t* scales, uint8_t* mins) {
+    for (int j = 0; j < 4; ++j) {
+        scales[j] = q[j] & 63;
+        mins[j] = q[j + 4] & 63;
+        scales[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
+        mins[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+void pack_scales(const uint8_t* scales, const uint8_t* mins, uint8_t* q) {
+    for (int j = 0; j < 4; ++j) {
+        q[j] = static_cast<uint8_t>(scales[j] | ((scales[j + 4] >> 4) << 6));
+        q[j + 4] = static_cast<uint8_t>(mins[j] | ((mins[j + 4] >> 4) << 6));
+        q[j + 8] = static_cast<uint8_t>((scales[j + 4] & 15) | ((mins[j + 4] & 15) << 4));
+    }
+}
+
+// A group of 8 interleaved Q4_K rows (`blocks` block_q4_Kx8 in a row) back into the 8 rows of
+// blocks the file stores: the inverse of the layout ggml's repack writes (its d and dmin side by
+// side, its quants 8 bytes from each row in turn, and per sub-block the 8 rows' scales and mins
+// packed as one Q4_K block packs its 8 sub-blocks').
+void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
+    constexpr int ROWS = 8, SUBS = 8, CHUNK = 8;
+    const auto* in = reinterpret_cast<const block_q4_Kx8*>(group);
+    auto* out = reinterpret_cast<block_q4_K*>(rows);
+    for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t scales[SUBS][ROWS], mins[SUBS][ROWS];  // [sub-block][row]
+        for (int sub = 0; sub < SUBS; ++sub)
+            unpack_scales(in[b].scales + sub * 12, scales[sub], mins[sub]);
+        for (int r = 0; r < ROWS; ++r) {
+            block_q4_K& row = out[r * blocks + b];
+            row.GGML_COMMON_AGGR_U.GGML_COMMON_AGGR_S.d = in[b].d[r];
+            row.GGML_COMMON_AGGR_U.GGML_COMMON_AGGR_S.dmin = in[b].dmin[r];
+            uint8_t row_scales[SUBS], row_mins[SUBS];
+            for (int sub = 0; sub < SUBS; ++sub) {
+                row_scales[sub] = scales[sub][r];
+                row_mins[sub] = mins[sub][r];
+            }
+            pack_scales(row_scales, row_mins, row.scales);
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            uint8_t* qs = out[r * blocks + b].qs;
+            for (int i = 0; i < static_cast<int>(sizeof(out[0].qs)) / CHUNK; ++i)
+                std::memcpy(qs + i * CHUNK, in[b].qs + (i * ROWS + r) * CHUNK, CHUNK);
+        }
+    }
+}
+
 struct Interleaved {
     ggml_type type;
     Quantize4 quantize4;  // four activation rows into the gemm's interleaved dot-type blocks
     Gemx gemv;
     Gemx gemm;
+    // Null, or the rows back as stored: a prompt pass of TILED_ROWS rows or more then multiplies
+    // them by ggml's own mul_mat (its tiled kernels), faster than its gemm.
+    Deinterleave deinterleave;
 };
 
 const Interleaved* interleaved_kernels(int64_t type) {
     static const Interleaved kernels[] = {
-        {GGML_TYPE_Q4_K, ggml_quantize_mat_q8_K_4x8, ggml_gemv_q4_K_8x8_q8_K, ggml_gemm_q4_K_8x8_q8_K},
-        {GGML_TYPE_Q4_0, ggml_quantize_mat_q8_0_4x8, ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0},
-        {GGML_TYPE_IQ4_NL, ggml_quantize_mat_q8_0_4x8, ggml_gemv_iq4_nl_8x8_q8_0, ggml_gemm_iq4_nl_8x8_q8_0},
+        {GGML_TYPE_Q4_K, ggml_quantize_mat_q8_K_4x8, ggml_gemv_q4_K_8x8_q8_K, ggml_gemm_q4_K_8x8_q8_K,
+         deinterleave_q4_K},
+        {GGML_TYPE_Q4_0, ggml_quantize_mat_q8_0_4x8, ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0, nullptr},
+        {GGML_TYPE_IQ4_NL, ggml_quantize_mat_q8_0_4x8, ggml_gemv_iq4_nl_8x8_q8_0, ggml_gemm_iq4_nl_8x8_q8_0, nullptr},
     };
     for (const auto& found : kernels)
         if (found.type == type)
@@ -136,7 +195,8 @@ struct Product {
     ggml_type type;
     const ggml_type_traits_cpu* tr;
     const Interleaved* il;  // null: rows as stored (vec_dot)
-    bool gemm;
+    bool gemm;              // interleaved rows by ggml's gemm
+    bool by_ggml;           // rows (put back) as stored by ggml's own mul_mat
     const uint8_t* w;
     size_t w_row;
     int64_t n;
@@ -167,24 +227,27 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
         p.il->gemv(static_cast<int>(k), p.y + row * p.n + first, p.n, w, xq + row * p.x->row, 1, cols);
 }
 
-// Columns [first, last) of rows as stored, every row, through ggml's own mul_mat on this thread
-// (its tiled kernels for the K-quants from 8 rows on, llamafile's sgemm for the legacy ones): a
-// prompt pass's way for rows no interleaved kernel reads.
-void multiply_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+// `cols` weight rows as stored (`w_row` bytes apart) by the m activation rows `x`, into y (rows
+// `y_row` floats apart), through ggml's own mul_mat on this thread (its tiled kernels for the
+// K-quants from 8 rows on, llamafile's sgemm for the legacy ones): a prompt pass's way.
+void multiply_by_ggml(ggml_type type, const uint8_t* w, size_t w_row, int64_t cols, const Quantized& x, float* y,
+                      int64_t y_row, int64_t m, int64_t k) {
     thread_local std::vector<uint8_t> context(3 * ggml_tensor_overhead() + ggml_graph_overhead_custom(GRAPH_NODES, false));
     thread_local std::vector<uint8_t> work;
     ggml_init_params params{context.size(), context.data(), true};
     ggml_context* ctx = ggml_init(params);
-    ggml_tensor* w = ggml_new_tensor_2d(ctx, p.type, k, last - first);
-    w->data = const_cast<uint8_t*>(p.w + first * p.w_row);
-    ggml_tensor* x = ggml_new_tensor_2d(ctx, p.x->type, k, m);
-    x->data = const_cast<uint8_t*>(p.x->data.data());
-    ggml_tensor* y = ggml_mul_mat(ctx, w, x);
-    y->data = p.y + first;
-    y->nb[1] = static_cast<size_t>(p.n) * sizeof(float);
-    y->nb[2] = y->nb[3] = y->nb[1] * static_cast<size_t>(m);
+    ggml_tensor* weight = ggml_new_tensor_2d(ctx, type, k, cols);
+    weight->data = const_cast<uint8_t*>(w);
+    weight->nb[1] = w_row;
+    weight->nb[2] = weight->nb[3] = w_row * static_cast<size_t>(cols);
+    ggml_tensor* activations = ggml_new_tensor_2d(ctx, x.type, k, m);
+    activations->data = const_cast<uint8_t*>(x.data.data());
+    ggml_tensor* product = ggml_mul_mat(ctx, weight, activations);
+    product->data = y;
+    product->nb[1] = static_cast<size_t>(y_row) * sizeof(float);
+    product->nb[2] = product->nb[3] = product->nb[1] * static_cast<size_t>(m);
     ggml_cgraph* graph = ggml_new_graph_custom(ctx, GRAPH_NODES, false);
-    ggml_build_forward_expand(graph, y);
+    ggml_build_forward_expand(graph, product);
     ggml_cplan plan = ggml_graph_plan(graph, 1, nullptr);
     work.resize(plan.work_size);
     plan.work_data = work.data();
@@ -192,10 +255,26 @@ void multiply_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int
     ggml_free(ctx);
 }
 
+// Columns [first, last) of p, every row, through ggml's own mul_mat; interleaved rows are put back
+// as stored a block of columns at a time (in a scratch that stays in the core's L2).
+void multiply_columns_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+    if (p.il == nullptr)
+        return multiply_by_ggml(p.type, p.w + first * p.w_row, p.w_row, last - first, *p.x, p.y + first, p.n, m, k);
+    thread_local std::vector<uint8_t> rows;
+    rows.resize(static_cast<size_t>(COLUMNS_PER_BLOCK) * p.w_row);
+    const int64_t blocks = k / ggml_blck_size(p.type);
+    for (int64_t c0 = first; c0 < last; c0 += COLUMNS_PER_BLOCK) {
+        const int64_t cols = std::min(last, c0 + COLUMNS_PER_BLOCK) - c0;
+        for (int64_t g = 0; g < cols; g += INTERLEAVE)
+            p.il->deinterleave(p.w + (c0 + g) * p.w_row, rows.data() + g * p.w_row, blocks);
+        multiply_by_ggml(p.type, rows.data(), p.w_row, cols, *p.x, p.y + c0, p.n, m, k);
+    }
+}
+
 // Columns [first, last) of p, every row.
 void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
-    if (p.gemm && p.il == nullptr)
-        return multiply_by_ggml(p, m, k, first, last);
+    if (p.by_ggml)
+        return multiply_columns_by_ggml(p, m, k, first, last);
     const int64_t block = m > 1 ? COLUMNS_PER_BLOCK : last - first;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_TILE)
         for (int64_t c0 = first; c0 < last; c0 += block)
@@ -288,7 +367,8 @@ public:
             p.il = m_interleaved[i] ? interleaved_kernels(m_types[i]) : nullptr;
             if (p.tr == nullptr || (m_interleaved[i] && p.il == nullptr))
                 return false;
-            p.gemm = gemm;
+            p.by_ggml = gemm && (p.il == nullptr || (p.il->deinterleave != nullptr && m >= TILED_ROWS));
+            p.gemm = gemm && p.il != nullptr && !p.by_ggml;
             const ov::Tensor& w = inputs[i + WEIGHTS];
             p.w = w.data<const uint8_t>();
             p.w_row = w.get_shape()[1];
