@@ -19,7 +19,8 @@ GGML_LINEAR = "GgmlLinear"
 # (Its second form: weights with interleaved kernels keep their rows interleaved. A cache holding
 # the first form, openvino_model_ggml.xml, writes this one and drops that.)
 GGML_XML = "openvino_model_ggml2.xml"
-# Its input that turns ggml's gemm on for a pass (engine.core.runtime: a prompt reader's passes).
+# Its input that turns ggml's batched kernels on for a pass (its gemm, its tiled mul_mat) (engine.core.runtime:
+# a prompt reader's passes).
 GEMM_INPUT = "ggml_gemm"
 
 
@@ -70,9 +71,10 @@ def linears(
     """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
     in one node (the activations quantized once): multiplied by ggml's gemv on the rows
     interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
-    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies interleaved rows by fours of
-    activation rows with ggml's gemm instead, faster over many rows, but a row then rounds with
-    where it falls in its pass: for a prompt's passes (:data:`GEMM_INPUT`)."""
+    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies by ggml's batched kernels
+    instead (its gemm on interleaved rows, its own mul_mat on rows as stored, and on interleaved
+    Q4_K rows put back as stored from 32 rows on), faster over many rows, but a row then rounds
+    with where it falls in its pass: for a prompt's passes (:data:`GEMM_INPUT`)."""
     flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
     inputs, types, interleaved_flags = [x, flag], [], []
     for rows, ggml_type in weights:
@@ -92,7 +94,7 @@ def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interl
 
 
 def gemm_input() -> ov.Node:
-    """The graph input that turns ggml's gemm on in every op it feeds (:func:`linears`)."""
+    """The graph input that turns ggml's batched kernels on in every op it feeds (:func:`linears`)."""
     flag = ops.parameter([1], ov.Type.i64, name=GEMM_INPUT)
     flag.output(0).get_tensor().set_names({GEMM_INPUT})
     return flag

@@ -48,7 +48,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=READERS,
         default="auto",
         help="how prompts are read: a stateless copy of the target in large passes, in f32 or bf16 on the "
-        "plugin's kernels; gemm, the target's own passes with ggml's gemm (on ggml's kernels); or off (the "
+        "plugin's kernels; gemm, the target's own passes with ggml's batched kernels (on ggml's kernels); or off (the "
         "target's own passes); auto times each the memory budget holds and uses the fastest where it reads faster",
     )
     parser.add_argument(

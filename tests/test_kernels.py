@@ -193,7 +193,7 @@ def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_targ
 
 
 def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_would(gguf_target, library):
-    """The prompt reader on the same graph with ggml's gemm: its rows round differently (which is
+    """The prompt reader on the same graph with ggml's batched kernels: its rows round differently (which is
     why where its passes fall is fixed by the conversation), within float rounding."""
     prompt = TOKENS * 8
     own = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
@@ -210,7 +210,7 @@ def test_auto_times_readers_on_both_kernels_and_the_short_run_they_read(gguf_tar
     target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     with caplog.at_level(logging.INFO, logger="specchat.reader"):
         chosen = fastest_reader(target)
-    for label in ("the target's own passes, ggml's gemm", "f32 · ggml kernels", "f32"):
+    for label in ("the target's own passes, ggml's batched kernels", "f32 · ggml kernels", "f32"):
         assert f"prompt reader {label}:" in caplog.text
     assert chosen is None or chosen.shortest == (SHORT_RUN if "ggml" in chosen.label else SHORTEST_RUN)
     assert not target.tokens

@@ -9,7 +9,8 @@ reader is the same IR made stateless (every state an input and an output): its a
 multi-row kernel (MLAS sgemm in f32, oneDNN brgemm in bf16, AMX where the CPU has it). It reads
 from the decoding request's states and writes its output back into them; decoding, verifying and
 every answer token stay on the stateful f32 path. On ggml's kernels the target's own passes with
-ggml's gemm switched on read prompts too (:class:`GemmReader`): no second model and no copies.
+ggml's batched kernels switched on read prompts too (:class:`GemmReader`): no second model and no
+copies.
 
 The reader's rows round differently from the stateful path's, and with where its passes start and
 end. So where each pass starts and ends, and which path reads which token, is a function of the
@@ -41,7 +42,7 @@ from engine.ggml import GEMM_INPUT
 # long paste, with the target's own passes' growth taken off (docs/benchmarks.md, "The prompt reader").
 RESIDENT_PER_READ_BYTE = 6
 # How an engine reads prompts: timed at start, a stateless reader on the plugin's kernels in one
-# precision, the target's own passes with ggml's gemm, or none.
+# precision, the target's own passes with ggml's batched kernels, or none.
 READERS = ("auto", "f32", "bf16", "gemm", "off")
 # Where the reader's speed is timed at start: one pass of READ_PASS tokens after this many (a
 # narrower pass than it reads would favour the target's own: docs/benchmarks.md, "The prompt reader").
@@ -92,11 +93,11 @@ class PromptReader(abc.ABC):
 
 
 class GemmReader(PromptReader):
-    """Reads with the target's own passes on ggml's kernels, their gemm on (engine.ggml.GEMM_INPUT):
+    """Reads with the target's own passes on ggml's kernels, their batched kernels on (engine.ggml.GEMM_INPUT):
     no second model, no copy of the weights or of the cache. Its attention is the target's
     (row by row over a past, slower the longer the context than a stateless reader's)."""
 
-    label = "the target's own passes, ggml's gemm"
+    label = "the target's own passes, ggml's batched kernels"
     resident_per_read_byte = 0  # (its passes grow the process as the target's own do)
 
     def __init__(self) -> None:
@@ -116,7 +117,7 @@ class Reader(PromptReader):
     def __init__(
         self, ir_dir: Path, config: dict, precision: str, core: ov.Core | None = None, on: Runtime | None = None
     ):
-        """``on``: a target on ggml's kernels, whose graph the reader reads on with ggml's gemm
+        """``on``: a target on ggml's kernels, whose graph the reader reads on with ggml's batched kernels
         (engine.ggml.GEMM_INPUT), its weights shared, in memory once; else the IR on the plugin's
         kernels (which lay out a copy of them)."""
         core = core or ov.Core()
