@@ -282,22 +282,28 @@ void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int
 }
 
 void multiply(const std::vector<Product>& products, int64_t m, int64_t k) {
-    // The weights' columns, one after another, split into one contiguous range per thread: a
-    // long stream of weight rows for the hardware prefetchers (ranges taken block by block from a
-    // shared counter, as ggml's own chunks are, made a plain step slower by a quarter).
-    int64_t units = 0;
+    // The weights' columns, one after another, split into one contiguous range of weight bytes per
+    // thread: a long stream of weight rows for the hardware prefetchers (ranges taken block by
+    // block from a shared counter, as ggml's own chunks are, made a plain step slower by a
+    // quarter), and as many bytes for each (a layer's q and k in Q4_K groups of 8 rows and its v
+    // in Q6_K rows split by rows instead left one thread twice the other's work).
+    int64_t bytes = 0;
     for (const auto& p : products)
-        units += p.n / p.unit();
+        bytes += p.n * static_cast<int64_t>(p.w_row);
     ov::parallel_nt_static(0, [&](int thread, int threads) {
         int64_t start = 0, stop = 0;
-        ov::splitter(units, threads, thread, start, stop);
-        int64_t offset = 0;
+        ov::splitter(bytes, threads, thread, start, stop);
+        int64_t offset = 0;  // the first byte of p
         for (const auto& p : products) {
-            const int64_t mine = p.n / p.unit();
-            const int64_t lo = std::max(start, offset), hi = std::min(stop, offset + mine);
+            // p's units (whole interleaved groups) that start in [start, stop)
+            const int64_t unit_bytes = p.unit() * static_cast<int64_t>(p.w_row), units = p.n / p.unit();
+            const auto first_at = [&](int64_t byte) {
+                return std::clamp<int64_t>((byte - offset + unit_bytes - 1) / unit_bytes, 0, units);
+            };
+            const int64_t lo = first_at(start), hi = first_at(stop);
             if (lo < hi)
-                multiply_columns(p, m, k, (lo - offset) * p.unit(), (hi - offset) * p.unit());
-            offset += mine;
+                multiply_columns(p, m, k, lo * p.unit(), hi * p.unit());
+            offset += units * unit_bytes;
         }
     });
 }
