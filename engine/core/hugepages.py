@@ -66,8 +66,8 @@ def _huge_region(size: int) -> tuple[np.ndarray, mmap.mmap]:
 
 def move_weights(model: ov.Model) -> mmap.mmap | None:
     """Put every GgmlLinear weight of ``model`` on huge pages, one after another in one region
-    (where the kernel gives them), before it is compiled; return the mapping that holds them (it
-    must outlive the compiled model)."""
+    (where the kernel gives them), before it is compiled; return the mapping that holds them (the
+    graph's constants keep it alive)."""
     ports: dict[str, list[ov.Input]] = {}  # each weight's readers, by its constant's name
     constants: dict[str, ov.Node] = {}
     for node in model.get_ordered_ops():

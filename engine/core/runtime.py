@@ -132,7 +132,8 @@ class Runtime:
             graph.shrink_vocabulary(model, vocab_limit)
         # (ggml's kernels stream their weights from huge pages: a plain step is faster by about 6%:
         # engine.core.hugepages)
-        self._weights = hugepages.move_weights(model) if kernels is not None else None
+        if kernels is not None:
+            hugepages.move_weights(model)
         self.config = dict(config or {})
         self.compiled = core.compile_model(model, device, self.config)
         # On ggml's kernels the compiled model reads the graph's weights where they lie: kept, a
