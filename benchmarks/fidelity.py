@@ -52,8 +52,10 @@ from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
+from engine.prepare import ggml_ir
 from engine.prepare.convert import PRECISIONS
 from engine.prepare.pipeline import (
+    PreparedModel,
     add_model_arguments,
     cache_dir_from_args,
     compression_from_args,
@@ -69,6 +71,8 @@ CHUNK = 512  # llama-perplexity's default context: each chunk read fresh, its se
 ANSWER_TOKENS = 384
 TEST_SECONDS = 10
 FILE_MODEL = "file (fp16)"
+GGUF = "gguf"
+ON_GGML = " · ggml kernels"
 LLAMACPP = "llama.cpp (GGUF)"
 COLUMNS = [
     Column("weights", "weights"),
@@ -246,11 +250,15 @@ def answer_all(answer, items: list[Problem], label: str) -> tuple[list[str], flo
     return texts, tokens / seconds
 
 
+def _prepared(args: argparse.Namespace, precision: str, cache: Path) -> PreparedModel:
+    return prepare_one(args.target, compression_from_args(args, "target", precision), cache)
+
+
 def target_ir(args: argparse.Namespace, weights: str, cache: Path) -> Path:
     """The target with these weights: a precision of ``--target``, prepared, or an OpenVINO IR
     folder of it made another way, as it is."""
     if weights in PRECISIONS:
-        return prepare_one(args.target, compression_from_args(args, "target", weights), cache).path
+        return _prepared(args, weights, cache).path
     if not Path(weights, "openvino_model.xml").is_file():
         raise EngineError(f"{weights}: neither a precision ({', '.join(PRECISIONS)}) nor an OpenVINO IR folder")
     return Path(weights)
@@ -261,12 +269,16 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     cache = cache_dir_from_args(args)
     precisions = args.precisions.split(",")
     irs = {p: target_ir(args, p, cache) for p in precisions}
+    # The `gguf` target also on ggml's kernels, as the app runs it where they are faster.
+    runs: dict[str, tuple[Path, Path | None]] = {p: (ir, None) for p, ir in irs.items()}
+    if GGUF in precisions and (library := ggml_ir.for_model(_prepared(args, GGUF, cache), cache)) is not None:
+        runs[GGUF + ON_GGML] = (irs[GGUF], library)
     reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
-    rows |= {p: {"weights": p, "size_mb": _size_mb(irs[p])} for p in precisions}
+    rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _) in runs.items()}
 
     if "agreement" in args.measures or "perplexity" in args.measures:
-        _against_the_file(args, reference_ir, irs, rows)
+        _against_the_file(args, reference_ir, runs, rows)
     if args.llamacpp and "perplexity" in args.measures:
         tools = llamacpp.build_tools(cache)
         gguf = llamacpp.gguf_file(args.target, cache)
@@ -285,9 +297,10 @@ def run_fidelity(args: argparse.Namespace) -> dict:
 
 
 def _against_the_file(
-    args: argparse.Namespace, reference_ir: Path, irs: dict[str, Path], rows: dict[str, dict]
+    args: argparse.Namespace, reference_ir: Path, runs: dict[str, tuple[Path, Path | None]], rows: dict[str, dict]
 ) -> None:
-    """Fill in each target's agreement with the file's model and the perplexities."""
+    """Fill in each target's agreement with the file's model and the perplexities (``runs``: each
+    row's IR and the ggml op's library it runs on, or None for the plugin's kernels)."""
     tokenizer = auto_tokenizer(reference_ir)
     text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
     ref = the_files_side(args, reference_ir, tokenizer, text_ids)
@@ -295,8 +308,8 @@ def _against_the_file(
     ref_positions = {name: ref["positions"][name] for name in sequences}
     if "perplexity" in args.measures:
         rows[FILE_MODEL]["perplexity"] = ref["perplexity"]
-    for weights, ir in irs.items():
-        model, row = Runtime(ir, config=EXACT_CONFIG), rows[weights]
+    for weights, (ir, library) in runs.items():
+        model, row = Runtime(ir, config=EXACT_CONFIG, kernels=library), rows[weights]
         deltas: list[float] = []
         for name in sequences:
             row[f"top1_{name}"], d = agreement(ref_positions[name], model, sequences[name])
