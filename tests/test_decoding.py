@@ -635,6 +635,25 @@ def test_a_priced_lookup_learns_how_often_its_copies_land():
     assert 2 <= dropped <= 30 and lookup.acceptance <= 0.75
 
 
+def test_where_copies_do_not_pay_at_the_prior_a_dropped_copy_is_probed_now_and_then():
+    """A price that takes copies only above 0.8 acceptance never meets a verdict at the prior of
+    0.75, so every PROBE_AFTER-th copy dropped in a row is verified anyway, at the length the price
+    prefers at any bar; copies that land then raise the average past the bar."""
+    context = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4])
+
+    def price(offered: int, acceptance: float, context: int, bar: float) -> int:
+        return offered if acceptance > 0.8 else 2 if bar == 0.0 else 0
+
+    lookup = LookupDrafter(16, min_match=4, span=5, price=price)
+    offers = [lookup.draft_free(context, 4, SamplingParams()).tokens for _ in range(2 * LookupDrafter.PROBE_AFTER)]
+    probes = [i for i, tokens in enumerate(offers) if tokens]
+    assert probes == [LookupDrafter.PROBE_AFTER - 1, 2 * LookupDrafter.PROBE_AFTER - 1]
+    assert offers[probes[0]] == [5, 6]
+    lookup.observe(2, 2)
+    lookup.observe(2, 2)
+    assert lookup.acceptance > 0.8 and lookup.draft_free(context, 4, SamplingParams()).tokens == [5, 6, 7, 8, 9]
+
+
 def test_where_the_draft_model_cannot_pay_lookup_copies_still_run_and_the_answer_stays_exact(pair, tok):
     """A paced request on a machine where no draft-model round pays never runs the draft model,
     yet verifies the lookup copies worth verifying, and answers as autoregressive decoding does."""
