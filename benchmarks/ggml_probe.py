@@ -1,5 +1,6 @@
-"""One layer six ways, in one run: the GgmlLinear op inside an OpenVINO graph (gemv on interleaved
-rows as decoding runs it, gemm as the prompt reader runs it, vec_dot on the rows as stored), the
+"""One layer seven ways, in one run: the GgmlLinear op inside an OpenVINO graph (gemv on interleaved
+rows as decoding runs it, its batched kernels as the prompt reader runs them on interleaved rows
+and on rows as stored, vec_dot on the rows as stored; its weights on huge pages), the
 plugin's compressed FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat,
 plain and on repacked weights as llama.cpp runs it, at 1, 5 and 64 rows.
 
@@ -33,6 +34,7 @@ from benchmarks import llamacpp
 from benchmarks.report import add_output_arguments, write_text
 from engine import ggml
 from engine.cli import run_cli
+from engine.core import hugepages
 from engine.core.runtime import TARGET_CONFIG
 from engine.prepare import gguf_blocks, kernels
 from engine.prepare.embedded import DEFAULT_TARGET
@@ -41,8 +43,10 @@ from engine.report import Column, markdown_table
 
 ROWS = (1, 5, 64)
 OP = "GgmlLinear op: gemv on interleaved rows (decoding)"
-OP_GEMM = "GgmlLinear op: gemm on interleaved rows (prompt reader)"
+OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
+OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
+TILED_ROWS = 32  # from this many rows the op puts interleaved rows back as stored (ggml_linear.cpp)
 PLUGIN = "plugin compressed FC (gguf form)"
 GGML = "ggml mul_mat"
 GGML_REPACKED = "ggml mul_mat, repacked (llama.cpp's default)"
@@ -85,10 +89,13 @@ def timed(compiled: ov.CompiledModel, x: np.ndarray, reps: int) -> tuple[float, 
 
 
 def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path, interleave: bool, gemm: bool) -> ov.Model:
+    """The op on each weight, its weights on huge pages as the engine keeps them."""
     x = ops.parameter([-1, k], ov.Type.f32)
     flag = ops.constant(np.array([int(gemm)], dtype=np.int64)).output(0)
     outs = [ggml.linears(x.output(0), [(blocks(t), int(t.tensor_type))], library, interleave, flag)[0] for t in weights]
-    return ov.Model(outs, [x])
+    model = ov.Model(outs, [x])
+    hugepages.move_weights(model)
+    return model
 
 
 def plugin_model(weights: list[gguf.ReaderTensor], k: int) -> ov.Model:
@@ -166,6 +173,7 @@ def probe(args: argparse.Namespace) -> None:
         OP: core.compile_model(op_model(weights, k, library, True, False), "CPU", TARGET_CONFIG),
         OP_GEMM: core.compile_model(op_model(weights, k, library, True, True), "CPU", TARGET_CONFIG),
         OP_STORED: core.compile_model(op_model(weights, k, library, False, False), "CPU", TARGET_CONFIG),
+        OP_STORED_BATCHED: core.compile_model(op_model(weights, k, library, False, True), "CPU", TARGET_CONFIG),
         PLUGIN: core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
     }
     probe_library = ggml_library(library)
@@ -183,10 +191,15 @@ def probe(args: argparse.Namespace) -> None:
             seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
             rows[name][f"ms_{m}"] = 1000 * seconds
         checks[f"{m} rows: op's gemv == ggml repacked, bit for bit"] = bool(np.array_equal(out[OP], out[GGML_REPACKED]))
-        checks[f"{m} rows: op's gemm == ggml repacked, bit for bit"] = bool(
-            np.array_equal(out[OP_GEMM], out[GGML_REPACKED])
+        # (below TILED_ROWS the op's batched kernel on interleaved rows is ggml's gemm, from there its tiled mul_mat)
+        gemm_peer = GGML_REPACKED if m < TILED_ROWS else GGML
+        checks[f"{m} rows: op's batched kernels on interleaved rows == {gemm_peer}, bit for bit"] = bool(
+            np.array_equal(out[OP_GEMM], out[gemm_peer])
         )
         checks[f"{m} rows: op on rows as stored == ggml, bit for bit"] = bool(np.array_equal(out[OP_STORED], out[GGML]))
+        checks[f"{m} rows: op's batched kernels on rows as stored == ggml, bit for bit"] = bool(
+            np.array_equal(out[OP_STORED_BATCHED], out[GGML])
+        )
         checks[f"{m} rows: op against the plugin, largest difference relative to the largest output"] = float(
             np.abs(out[OP] - out[PLUGIN]).max() / np.abs(out[PLUGIN]).max()
         )
