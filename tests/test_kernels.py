@@ -4,6 +4,7 @@ blocks (the library is built for this machine on first use, a few minutes on 2 c
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 
 import gguf
@@ -321,10 +322,15 @@ def test_moved_weights_lie_in_one_region_on_huge_pages_and_compute_the_same(libr
         np.testing.assert_array_equal(got, expected)
 
 
-def test_without_transparent_huge_pages_the_weights_stay_where_they_are(library, tmp_path, monkeypatch):
-    setting = tmp_path / "enabled"
-    setting.write_text("always madvise [never]\n")
-    monkeypatch.setattr(hugepages, "THP_SETTING", setting)
+@pytest.mark.parametrize("refused", ["setting", "advice"])
+def test_without_transparent_huge_pages_the_weights_stay_where_they_are(library, tmp_path, monkeypatch, refused):
+    """Transparent huge pages off (``never``), or the advice refused by the kernel."""
+    if refused == "setting":
+        setting = tmp_path / "enabled"
+        setting.write_text("always madvise [never]\n")
+        monkeypatch.setattr(hugepages, "THP_SETTING", setting)
+    else:
+        monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)  # (no such advice: EINVAL)
     model = q4k_model(library, [random_rows(Q.Q4_K, N, K, seed=5)])
     addresses = weight_addresses(model)
     assert hugepages.move_weights(model) is None

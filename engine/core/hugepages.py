@@ -55,10 +55,15 @@ def _drop(view: np.ndarray) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
 
 
-def _huge_region(size: int) -> tuple[np.ndarray, mmap.mmap]:
-    """``size`` bytes of anonymous memory advised for huge pages, starting on one, and the mapping."""
+def _huge_region(size: int) -> tuple[np.ndarray, mmap.mmap] | None:
+    """``size`` bytes of anonymous memory advised for huge pages, starting on one, and the
+    mapping; None where the kernel refuses the advice."""
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        region.close()
+        return None
     whole = np.frombuffer(region, dtype=np.uint8)
     start = -whole.ctypes.data % HUGE_PAGE
     return whole[start : start + size], region
@@ -67,7 +72,7 @@ def _huge_region(size: int) -> tuple[np.ndarray, mmap.mmap]:
 def move_weights(model: ov.Model) -> mmap.mmap | None:
     """Put every GgmlLinear weight of ``model`` on huge pages, one after another in one region
     (where the kernel gives them), before it is compiled; return the mapping that holds them (the
-    graph's constants keep it alive)."""
+    graph's constants keep it alive), or None where they stay where they are."""
     ports: dict[str, list[ov.Input]] = {}  # each weight's readers, by its constant's name
     constants: dict[str, ov.Node] = {}
     for node in model.get_ordered_ops():
@@ -80,7 +85,10 @@ def move_weights(model: ov.Model) -> mmap.mmap | None:
         return None
     sources = {name: constant.get_data() for name, constant in constants.items()}
     sizes = [-(-source.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE for source in sources.values()]
-    memory, region = _huge_region(sum(sizes))
+    found = _huge_region(sum(sizes))
+    if found is None:
+        return None
+    memory, region = found
     offset = 0
     for (name, source), size in zip(sources.items(), sizes, strict=True):
         copy = memory[offset : offset + source.nbytes].reshape(source.shape)
