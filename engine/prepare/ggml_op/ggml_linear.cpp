@@ -62,8 +62,6 @@ constexpr size_t GRAPH_NODES = 4;  // ggml's graph of one mul_mat: its weight, a
 using Gemx = void (*)(int, float*, size_t, const void*, const void*, int, int);
 using Quantize4 = void (*)(const float*, void*, int64_t);
 
-// ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
-// the layout ggml's repack buffer chooses for these types.
 using Deinterleave = void (*)(const uint8_t* group, uint8_t* rows, int64_t blocks);
 
 // Q4_K's 12 bytes of 6-bit scales and mins (8 of each), as the GGUF format packs them.
@@ -115,6 +113,8 @@ void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
     }
 }
 
+// ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
+// the layout ggml's repack buffer chooses for these types.
 struct Interleaved {
     ggml_type type;
     Quantize4 quantize4;  // four activation rows into the gemm's interleaved dot-type blocks
@@ -232,7 +232,8 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
 // K-quants from 8 rows on, llamafile's sgemm for the legacy ones): a prompt pass's way.
 void multiply_by_ggml(ggml_type type, const uint8_t* w, size_t w_row, int64_t cols, const Quantized& x, float* y,
                       int64_t y_row, int64_t m, int64_t k) {
-    thread_local std::vector<uint8_t> context(3 * ggml_tensor_overhead() + ggml_graph_overhead_custom(GRAPH_NODES, false));
+    thread_local std::vector<uint8_t> context(3 * ggml_tensor_overhead() +
+                                              ggml_graph_overhead_custom(GRAPH_NODES, false));
     thread_local std::vector<uint8_t> work;
     ggml_init_params params{context.size(), context.data(), true};
     ggml_context* ctx = ggml_init(params);
