@@ -63,6 +63,7 @@ from engine.prepare.pipeline import (
     prepare_one,
 )
 from engine.report import Column, markdown_table
+from engine.startup import kernels_library
 
 MEASURES = ("agreement", "perplexity", "functional")
 PROMPT_SETS = ("coding", "general")
@@ -351,19 +352,21 @@ def the_files_side(args: argparse.Namespace, reference_ir: Path, tokenizer: Any,
     return kept
 
 
-def _answer_with(args: argparse.Namespace, precision: str, items: list[Problem]) -> tuple[list[str], float]:
-    """``best``'s answers with the target at ``precision``, and its tokens/s over them; its engine
-    closed and freed on return (one target in memory at a time)."""
+def _answer_with(args: argparse.Namespace, precision: str, items: list[Problem]) -> tuple[str, list[str], float]:
+    """``best``'s answers with the target at ``precision`` on the kernels `--kernels auto` picks,
+    their row's name (the precision, and the kernels where ggml's) and its tokens/s over them; its
+    engine closed and freed on return (one target in memory at a time)."""
     target_flag = {"target_precision": precision} if precision in PRECISIONS else {"target": precision}
     target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), **target_flag}))
-    with Engine(target.path, draft.path) as engine:
+    with Engine(target.path, draft.path, kernels="auto", library=kernels_library(args, (target, draft))) as engine:
 
         def ours(problem: Problem) -> tuple[str, int, float]:
             ids = engine.prompt_ids(Request(({"role": "user", "content": problem.question},)))
             run = own_run(engine, problem.task_id, ids, "best", 4, ANSWER_TOKENS, "best")
             return run.text, run.new_tokens, run.wall_s
 
-        return answer_all(ours, items, f"best {precision}")
+        name = precision + (ON_GGML if engine.target.kernels == "ggml" else "")
+        return (name, *answer_all(ours, items, f"best {name}"))
 
 
 def _functional(
@@ -373,7 +376,8 @@ def _functional(
     the answers by weights."""
     answers: dict[str, list[str]] = {}
     for precision in precisions:
-        answers[precision], rows[precision]["tokens_per_s"] = _answer_with(args, precision, items)
+        name, answers[name], tokens_per_s = _answer_with(args, precision, items)
+        rows.setdefault(name, {"weights": name})["tokens_per_s"] = tokens_per_s
     if args.llamacpp:
         cache = cache_dir_from_args(args)
         tokenizer = auto_tokenizer(prepare_from_args(args)[0].path)
