@@ -1,12 +1,12 @@
-"""The ggml kernels' weights on transparent huge pages (docs/design.md, "Weights on huge pages").
+"""The ggml kernels' weights on transparent huge pages (docs/design.md, "The GGUF's own kernels").
 
 A decode step streams every weight byte once. On 4 KiB pages it takes a TLB miss every 4 KiB,
 and the hardware prefetchers stop at each page's end; on 2 MiB pages a layer's weights are a few
 pages. The IR's weights are a read-only file mapping, which Linux did not back with huge pages
 (``MADV_COLLAPSE`` on it failed with EINVAL on Linux 6.18), so each GgmlLinear weight is copied
 into anonymous memory advised for them (``MADV_HUGEPAGE`` before the first touch) and the graph
-reads the copy. Each weight's pages in
-the file mapping are dropped once copied, so the process never holds both.
+reads the copy. Each weight's pages in the file mapping are dropped once copied, so the process
+never holds both.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+from engine.ggml import GGML_LINEAR
+
 HUGE_PAGE = 2 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-OP = "GgmlLinear"
+OP = GGML_LINEAR
 WEIGHTS = 2  # the op's first weight input (after x and the gemm flag: engine.ggml)
 
 
@@ -34,15 +36,15 @@ def available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting
 
 
-def _file_mapping(view: np.ndarray) -> bool:
-    """Whether ``view`` lies in a mapping of a file (its pages can be dropped and read again)."""
-    address = view.ctypes.data
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges this process maps from files (their pages can be dropped and read again)."""
+    spans = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         span, _perms, _offset, _device, inode, *_path = line.split()
-        start, stop = (int(a, 16) for a in span.split("-"))
-        if start <= address < stop:
-            return inode != "0"
-    return False
+        if inode != "0":
+            start, stop = span.split("-")
+            spans.append((int(start, 16), int(stop, 16)))
+    return spans
 
 
 def _drop(view: np.ndarray) -> None:
@@ -89,14 +91,14 @@ def move_weights(model: ov.Model) -> mmap.mmap | None:
     if found is None:
         return None
     memory, region = found
-    offset = 0
+    mapped, offset = _file_mappings(), 0
     for (name, source), size in zip(sources.items(), sizes, strict=True):
         copy = memory[offset : offset + source.nbytes].reshape(source.shape)
         copy[...] = source
         moved = ops.constant(copy, shared_memory=True).output(0)
         for port in ports[name]:
             port.replace_source_output(moved)
-        if _file_mapping(source):  # (a graph built in this process keeps its memory)
+        if any(start <= source.ctypes.data < stop for start, stop in mapped):  # (not a graph built here)
             _drop(source)
         offset += size
     return region
