@@ -226,16 +226,32 @@ def test_rows_of_any_length_join_and_a_long_row_leaving_cuts_the_padding(shared,
     assert all(largest == 3 for _, largest in finals) and cuts
 
 
-def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_then_batch(shared):
+def test_short_prompts_that_arrive_together_each_get_a_first_token_when_read_then_batch(shared, monkeypatch):
     """Each first token comes as soon as its own prompt is read (not after every prompt that
     arrived with it), then the requests go on in one batched step; each the answer it gets alone."""
     requests = [ask(f"Arriving together {i}: name a fruit.") for i in range(3)]
     solo = [alone(shared, r) for r in requests]
+    order: list[tuple[str, int]] = []  # (what the worker did, for which decoder), in turn
+    first_round, put = Decoder.round, shared.scheduler._put
+
+    def round_(self: Decoder):
+        order.append(("round", id(self)))
+        return first_round(self)
+
+    def record(job, event: Event) -> None:
+        if event.kind == "delta" and ("first token", id(job.decoder)) not in order:
+            order.append(("first token", id(job.decoder)))
+        put(job, event)
+
+    monkeypatch.setattr(Decoder, "round", round_)
+    monkeypatch.setattr(shared.scheduler, "_put", record)
     with held(shared):
         streams = [shared.generate(r) for r in requests]
     firsts = [first_delta(s)[-1] for s in streams]
     assert [e.metrics["batch_size"] for e in firsts] == [1, 1, 1]
-    assert firsts[0].metrics["ttft_s"] < firsts[2].metrics["ttft_s"]
+    opened = [d for what, d in order if what == "first token"]
+    reads = [order.index(("round", d)) for d in opened]  # each one's first round reads its prompt
+    assert all(order.index(("first token", d)) < read for d, read in zip(opened, reads[1:]))
     assert [first_delta(s)[-1].metrics["batch_size"] for s in streams] == [3, 3, 3]
     for stream, expected in zip(streams, solo):
         final, _ = finish(stream)
