@@ -81,15 +81,18 @@ def test_the_op_multiplies_by_the_weight_its_blocks_hold(library, kind):
     assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()
 
 
-def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(library):
-    rows = random_rows(Q.Q4_K, N, K, seed=3)
-    x = np.random.default_rng(4).standard_normal((17, K)).astype(np.float32)
-    model = compiled(library, rows, Q.Q4_K)
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(library, kind):
+    """Rows of one pass share its weight reads (Q4_K interleaved and Q6_K: the op's own multi-row
+    kernels; others: the one-row kernel per row), and each comes out as it does alone."""
+    rows = random_rows(kind, N, K, seed=3)
+    x = np.random.default_rng(4).standard_normal((70, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, 70)[:, None]
+    model = compiled(library, rows, kind)
     alone = np.concatenate([model({0: x[i : i + 1]})[0] for i in range(len(x))])
-    for width in (2, 5, 17):
+    for width in (2, 5, 17, 70):
         together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
         np.testing.assert_array_equal(together, alone)
-    np.testing.assert_array_equal(compiled(library, rows, Q.Q4_K, threads=1)({0: x})[0], alone)
+    np.testing.assert_array_equal(compiled(library, rows, kind, threads=1)({0: x})[0], alone)
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0])

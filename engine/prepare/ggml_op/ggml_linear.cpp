@@ -19,7 +19,9 @@
 // differently with where it falls, so it is for prompt passes). Rows as stored go through the
 // type's vec_dot, one weight row by one activation row, or with `gemm` through ggml's own mul_mat
 // (its tiled kernels for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K
-// weight). Without gemm, a row's result never depends on the other rows, bit for bit.
+// weight). Without gemm, several rows of Q4_K (interleaved) and Q6_K (as stored) share each
+// block's unpacking in the op's own kernels, which give every row gemv's or vec_dot's bits: a
+// row's result never depends on the other rows, bit for bit.
 // A weight row is read once per tile of activation rows, and the weights' columns are split across
 // the plugin's own threads (the TBB arena the inference runs in): the op adds no thread of its
 // own (ggml's mul_mat runs on the thread that calls it).
@@ -29,6 +31,10 @@
 #include <cstring>
 #include <mutex>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -112,6 +118,190 @@ void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
         }
     }
 }
+
+#if defined(__AVX2__)
+// Rows that share a pass share its weight reads: the kernels below unpack a block of weights once
+// for every activation row, and give each row exactly what ggml's one-row kernel gives it (Q4_K
+// interleaved: its gemv; Q6_K as stored: its vec_dot), bit for bit. Those compute the integer sums
+// of each block exactly (no term can overflow), then accumulate them in f32 in a fixed order; the
+// integer sums are computed here another way (VNNI where the CPU has it) and the f32 steps are
+// theirs, in their order.
+
+// Per 32-bit lane, the sum of 4 products of unsigned bytes w and signed bytes a, added to acc.
+inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, a);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, a);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the low 16 bits of each lane of d (a value that fits them) times the lane's scale.
+inline __m256i scaled(__m256i acc, __m256i d, __m256i scale) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(d, scale));
+}
+
+// The low 16 bits of each 32-bit lane, the high 16 zero: the scale operand of `scaled`.
+inline __m256i scale_lanes(const int32_t* s) {
+    return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)), _mm256_set1_epi32(0xFFFF));
+}
+
+// 8 floats summed as ggml's hsum_float_8 sums them.
+inline float sum8(__m256 x) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// A group of 8 interleaved Q4_K weight rows by `rows` Q8_K activation rows (`x_row` bytes apart),
+// into y (rows `y_row` floats apart): each row as ggml_gemv_q4_K_8x8_q8_K computes it alone.
+void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, size_t x_row, int64_t rows, float* y,
+                    int64_t y_row) {
+    thread_local std::vector<float> sums;  // per row: 8 columns' sums, then 8 of their mins'
+    sums.assign(static_cast<size_t>(rows) * 16, 0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const block_q4_Kx8& g = w[b];
+        // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn;
+        // each column's scale for sub-block s in its two 32-bit lanes.
+        alignas(64) uint8_t q[8][4][64];
+        alignas(64) int32_t scale[8][16];
+        for (int l = 0; l < 4; ++l)
+            for (int i = 0; i < 4; ++i)
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.qs + l * 256 + i * 64 + h * 32));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l][i] + 32 * h), _mm256_and_si256(raw, _mm256_set1_epi8(15)));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l + 1][i] + 32 * h),
+                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15)));
+                }
+        uint8_t sc[8][8], mn[8][8];  // [sub-block][column]
+        for (int s = 0; s < 8; ++s) {
+            unpack_scales(g.scales + s * 12, sc[s], mn[s]);
+            for (int lane = 0; lane < 16; ++lane)
+                scale[s][lane] = sc[s][lane / 2];
+        }
+        __m256i mins[4];  // per pair of sub-blocks, each column's two mins as 16-bit halves of its lane
+        for (int t = 0; t < 4; ++t) {
+            int32_t lanes[8];
+            for (int c = 0; c < 8; ++c)
+                lanes[c] = mn[2 * t][c] | (mn[2 * t + 1][c] << 16);
+            mins[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes));
+        }
+        float d[8], dmin[8];
+        for (int c = 0; c < 8; ++c) {
+            d[c] = _cvtsh_ss(g.d[c]);
+            dmin[c] = _cvtsh_ss(g.dmin[c]);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
+            // per 32-bit lane (two per column, columns 0-3 then 4-7): its sub-blocks' sums times their scales
+            __m256i isum[2];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            __m512i wide = _mm512_setzero_si512();
+            for (int s = 0; s < 8; ++s) {
+                __m512i part = _mm512_setzero_si512();
+                for (int i = 0; i < 4; ++i) {
+                    int64_t eight;
+                    std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
+                    part = _mm512_dpbusd_epi32(part, _mm512_load_si512(q[s][i]), _mm512_set1_epi64(eight));
+                }
+                const __m512i lanes = _mm512_and_si512(_mm512_load_si512(scale[s]), _mm512_set1_epi32(0xFFFF));
+                wide = _mm512_add_epi32(wide, _mm512_madd_epi16(part, lanes));
+            }
+            isum[0] = _mm512_castsi512_si256(wide);
+            isum[1] = _mm512_extracti64x4_epi64(wide, 1);
+#else
+            isum[0] = isum[1] = _mm256_setzero_si256();
+            for (int s = 0; s < 8; ++s) {
+                __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int i = 0; i < 4; ++i) {
+                    int64_t eight;
+                    std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
+                    const __m256i act = _mm256_set1_epi64x(eight);
+                    for (int h = 0; h < 2; ++h)
+                        part[h] = dot4(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
+                }
+                for (int h = 0; h < 2; ++h)
+                    isum[h] = scaled(isum[h], part[h], scale_lanes(scale[s] + 8 * h));
+            }
+#endif
+            // lanes 2c and 2c+1 hold column c's: hadd gives columns 0 1 4 5 2 3 6 7
+            const __m256i by_column = _mm256_permute4x64_epi64(_mm256_hadd_epi32(isum[0], isum[1]), 0xD8);
+            // the activations' sums of each sub-block's 32 values, two sub-blocks per 32 bits
+            int32_t bsum[4];
+            const __m128i halves = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums)),
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums + 8)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(bsum), halves);
+            __m256i imin = _mm256_setzero_si256();
+            for (int t = 0; t < 4; ++t)
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(bsum[t])));
+            const __m256 dy = _mm256_set1_ps(a->d);
+            float* acc = sums.data() + r * 16;
+            const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by_column), _mm256_mul_ps(_mm256_loadu_ps(d), dy),
+                                               _mm256_loadu_ps(acc));
+            const __m256 min_sum =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(_mm256_loadu_ps(dmin), dy), _mm256_loadu_ps(acc + 8));
+            _mm256_storeu_ps(acc, sum);
+            _mm256_storeu_ps(acc + 8, min_sum);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* acc = sums.data() + r * 16;
+        _mm256_storeu_ps(y + r * y_row, _mm256_sub_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
+    }
+}
+
+// One Q6_K weight row (as stored) by `rows` Q8_K activation rows, into y (rows `y_row` floats
+// apart): each as ggml_vec_dot_q6_K_q8_K computes it alone. Its lanes: lane j of each 32 bytes of
+// quants sums bytes 4j..4j+3 times the scale of their 16 (the first 16 bytes' scale in lanes 0-3),
+// less 32 times the activations' sums of values 32j..32j+31 times their scales.
+void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const uint8_t* x, size_t x_row, int64_t rows, float* y,
+                       int64_t y_row) {
+    thread_local std::vector<__m256> sums;
+    sums.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const block_q6_K& blk = w[b];
+        __m256i q[8], scale[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
+        for (int j = 0; j < 2; ++j) {
+            const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j));
+            const __m256i lo2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j + 32));
+            const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * j));
+            q[4 * j] = _mm256_or_si256(_mm256_and_si256(lo1, m15), _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
+            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(lo2, m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), m3), 4));
+            q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m3), 4));
+            q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), m3), 4));
+        }
+        for (int v = 0; v < 8; ++v) {
+            int32_t lanes[8];
+            for (int l = 0; l < 8; ++l)
+                lanes[l] = blk.scales[2 * v + l / 4];
+            scale[v] = scale_lanes(lanes);
+        }
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)));
+        const float wd = _cvtsh_ss(blk.d);
+        for (int64_t r = 0; r < rows; ++r) {
+            const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
+            __m256i isum = _mm256_setzero_si256();
+            for (int v = 0; v < 8; ++v) {
+                const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * v));
+                isum = scaled(isum, dot4(_mm256_setzero_si256(), q[v], act), scale[v]);
+            }
+            const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums));
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5));
+            const float dd = a->d * wd;
+            sums[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(isum), sums[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        y[r * y_row] = sum8(sums[r]);
+}
+#endif
 
 // ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
 // the layout ggml's repack buffer chooses for these types.
@@ -211,6 +401,21 @@ struct Product {
 // Columns [first, last) of rows [r0, r1) (r0 a multiple of GEMM_ROWS).
 void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t first, int64_t last) {
     const uint8_t* xq = p.x->data.data();
+#if defined(__AVX2__)
+    if (r1 - r0 > 1 && !p.gemm && (p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K)) {
+        const int64_t blocks = k / QK_K;
+        for (int64_t col = first; col < last; col += p.unit()) {
+            const uint8_t* w = p.w + col * p.w_row;
+            const uint8_t* x = xq + r0 * p.x->row;
+            float* y = p.y + r0 * p.n + col;
+            if (p.il)
+                gemv_rows_q4_K(reinterpret_cast<const block_q4_Kx8*>(w), blocks, x, p.x->row, r1 - r0, y, p.n);
+            else
+                vec_dot_rows_q6_K(reinterpret_cast<const block_q6_K*>(w), blocks, x, p.x->row, r1 - r0, y, p.n);
+        }
+        return;
+    }
+#endif
     if (p.il == nullptr) {
         for (int64_t col = first; col < last; ++col)
             for (int64_t row = r0; row < r1; ++row)
@@ -259,8 +464,12 @@ void multiply_by_ggml(ggml_type type, const uint8_t* w, size_t w_row, int64_t co
 // Columns [first, last) of p, every row, through ggml's own mul_mat; interleaved rows are put back
 // as stored a block of columns at a time (in a scratch that stays in the core's L2).
 void multiply_columns_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
-    if (p.il == nullptr)
-        return multiply_by_ggml(p.type, p.w + first * p.w_row, p.w_row, last - first, *p.x, p.y + first, p.n, m, k);
+    if (p.il == nullptr) {
+        for (int64_t c0 = first; c0 < last; c0 += COLUMNS_PER_BLOCK)
+            multiply_by_ggml(p.type, p.w + c0 * p.w_row, p.w_row, std::min(last, c0 + COLUMNS_PER_BLOCK) - c0, *p.x,
+                             p.y + c0, p.n, m, k);
+        return;
+    }
     thread_local std::vector<uint8_t> rows;
     rows.resize(static_cast<size_t>(COLUMNS_PER_BLOCK) * p.w_row);
     const int64_t blocks = k / ggml_blck_size(p.type);
