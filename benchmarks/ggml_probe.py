@@ -1,6 +1,7 @@
-"""One layer seven ways, in one run: the GgmlLinear op inside an OpenVINO graph (gemv on interleaved
-rows as decoding runs it, its batched kernels as the prompt reader runs them on interleaved rows
-and on rows as stored, vec_dot on the rows as stored; its weights on huge pages), the
+"""One layer seven ways, in one run: the GgmlLinear op inside an OpenVINO graph (interleaved rows
+as decoding and verifying run them: ggml's gemv at one row, the op's own kernel with gemv's bits
+over several), its batched kernels as the prompt reader runs them on interleaved rows
+and on rows as stored, ggml's vec_dot row by row on the rows as stored; its weights on huge pages), the
 plugin's compressed FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat,
 plain and on repacked weights as llama.cpp runs it, at 1, 5 and 64 rows.
 
@@ -42,7 +43,7 @@ from engine.prepare.pipeline import cache_dir_from_args, log
 from engine.report import Column, markdown_table
 
 ROWS = (1, 5, 64)
-OP = "GgmlLinear op: gemv on interleaved rows (decoding)"
+OP = "GgmlLinear op: interleaved rows, each a one-row gemv's bits (decoding, verifying)"
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
 OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
