@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -138,14 +139,35 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #endif
 }
 
-// acc + the low 16 bits of each lane of d (a value that fits them) times the lane's scale.
+// acc + the low 16 bits of each lane of d (a value that fits them) times the lane's scale (16 bits,
+// the lane's high 16 zero).
 inline __m256i scaled(__m256i acc, __m256i d, __m256i scale) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(d, scale));
 }
 
-// The low 16 bits of each 32-bit lane, the high 16 zero: the scale operand of `scaled`.
-inline __m256i scale_lanes(const int32_t* s) {
-    return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)), _mm256_set1_epi32(0xFFFF));
+// Q4_K's 12 bytes of 6-bit scales and mins as 8 bytes of each (as unpack_scales, in registers: a
+// round trip through bytes in memory stalled on store forwarding).
+inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
+    uint32_t u[3];
+    std::memcpy(u, q, sizeof(u));
+    constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const uint64_t scales = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)) << 32;
+    const uint64_t mins = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)) << 32;
+    return {static_cast<int64_t>(scales), static_cast<int64_t>(mins)};
+}
+
+// A block's bytes into the cache ahead of use (the next weight row's, past the last: the
+// hardware prefetchers see those coming): the blocks' compute, longer with more rows, would
+// otherwise leave each block's first lines to arrive from memory while the core waits.
+constexpr int64_t AHEAD = 2;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks)
+
+template <typename Block>
+inline void prefetch(const Block* block, const Block* end) {
+    if (block >= end)
+        return;
+    const auto* bytes = reinterpret_cast<const char*>(block);
+    for (size_t line = 0; line < sizeof(Block); line += 64)
+        _mm_prefetch(bytes + line, _MM_HINT_T0);
 }
 
 // 8 floats summed as ggml's hsum_float_8 sums them.
@@ -164,6 +186,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, siz
     sums.assign(static_cast<size_t>(rows) * 16, 0.0f);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_Kx8& g = w[b];
+        prefetch(w + b + AHEAD, w + blocks);
         // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn;
         // each column's scale for sub-block s in its two 32-bit lanes.
         alignas(64) uint8_t q[8][4][64];
@@ -176,19 +199,17 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, siz
                     _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l + 1][i] + 32 * h),
                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15)));
                 }
-        uint8_t sc[8][8], mn[8][8];  // [sub-block][column]
+        __m128i mn[8];  // per sub-block, the 8 columns' mins as 16-bit values
         for (int s = 0; s < 8; ++s) {
-            unpack_scales(g.scales + s * 12, sc[s], mn[s]);
-            for (int lane = 0; lane < 16; ++lane)
-                scale[s][lane] = sc[s][lane / 2];
+            const auto [scales, mins] = scales_and_mins(g.scales + s * 12);
+            const __m128i twice = _mm_unpacklo_epi8(_mm_cvtsi64_si128(scales), _mm_cvtsi64_si128(scales));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(scale[s]), _mm256_cvtepu8_epi32(twice));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(scale[s] + 8), _mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8)));
+            mn[s] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins));
         }
         __m256i mins[4];  // per pair of sub-blocks, each column's two mins as 16-bit halves of its lane
-        for (int t = 0; t < 4; ++t) {
-            int32_t lanes[8];
-            for (int c = 0; c < 8; ++c)
-                lanes[c] = mn[2 * t][c] | (mn[2 * t + 1][c] << 16);
-            mins[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes));
-        }
+        for (int t = 0; t < 4; ++t)
+            mins[t] = _mm256_set_m128i(_mm_unpackhi_epi16(mn[2 * t], mn[2 * t + 1]), _mm_unpacklo_epi16(mn[2 * t], mn[2 * t + 1]));
         float d[8], dmin[8];
         for (int c = 0; c < 8; ++c) {
             d[c] = _cvtsh_ss(g.d[c]);
@@ -207,8 +228,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, siz
                     std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
                     part = _mm512_dpbusd_epi32(part, _mm512_load_si512(q[s][i]), _mm512_set1_epi64(eight));
                 }
-                const __m512i lanes = _mm512_and_si512(_mm512_load_si512(scale[s]), _mm512_set1_epi32(0xFFFF));
-                wide = _mm512_add_epi32(wide, _mm512_madd_epi16(part, lanes));
+                wide = _mm512_add_epi32(wide, _mm512_madd_epi16(part, _mm512_load_si512(scale[s])));
             }
             isum[0] = _mm512_castsi512_si256(wide);
             isum[1] = _mm512_extracti64x4_epi64(wide, 1);
@@ -224,7 +244,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, siz
                         part[h] = dot4(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
                 }
                 for (int h = 0; h < 2; ++h)
-                    isum[h] = scaled(isum[h], part[h], scale_lanes(scale[s] + 8 * h));
+                    isum[h] = scaled(isum[h], part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(scale[s] + 8 * h)));
             }
 #endif
             // lanes 2c and 2c+1 hold column c's: hadd gives columns 0 1 4 5 2 3 6 7
@@ -264,6 +284,7 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const uint8_t* x, si
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q6_K& blk = w[b];
+        prefetch(w + b + AHEAD * 4, w + blocks);
         __m256i q[8], scale[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
         for (int j = 0; j < 2; ++j) {
             const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j));
@@ -277,13 +298,12 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const uint8_t* x, si
             q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), m15),
                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), m3), 4));
         }
-        for (int v = 0; v < 8; ++v) {
-            int32_t lanes[8];
-            for (int l = 0; l < 8; ++l)
-                lanes[l] = blk.scales[2 * v + l / 4];
-            scale[v] = scale_lanes(lanes);
+        const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+        for (int v = 0; v < 8; ++v) {  // scale 2v four times, then 2v+1 four times
+            const __m128i pick = _mm_set1_epi64x(0x0101010100000000LL + 0x0202020202020202LL * v);
+            scale[v] = _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(scales8, pick)), _mm256_set1_epi32(0xFFFF));
         }
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)));
+        const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
         for (int64_t r = 0; r < rows; ++r) {
             const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
