@@ -156,14 +156,14 @@ inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
     return {static_cast<int64_t>(scales), static_cast<int64_t>(mins)};
 }
 
-// A block's bytes into the cache ahead of use (the next weight row's, past the last: the
-// hardware prefetchers see those coming): the blocks' compute, longer with more rows, would
-// otherwise leave each block's first lines to arrive from memory while the core waits.
+// A block's bytes into the cache ahead of use, into the next weight rows (up to `end`, the last
+// of the thread's range): the blocks' compute, longer with more rows, would otherwise leave each
+// block's first lines to arrive from memory while the core waits.
 constexpr int64_t AHEAD = 2;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks)
 
 template <typename Block>
-inline void prefetch(const Block* block, const Block* end) {
-    if (block >= end)
+inline void prefetch(const Block* block, const void* end) {
+    if (static_cast<const void*>(block + 1) > end)
         return;
     const auto* bytes = reinterpret_cast<const char*>(block);
     for (size_t line = 0; line < sizeof(Block); line += 64)
@@ -180,13 +180,13 @@ inline float sum8(__m256 x) {
 
 // A group of 8 interleaved Q4_K weight rows by `rows` Q8_K activation rows (`x_row` bytes apart),
 // into y (rows `y_row` floats apart): each row as ggml_gemv_q4_K_8x8_q8_K computes it alone.
-void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, size_t x_row, int64_t rows, float* y,
-                    int64_t y_row) {
+void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+                    float* y, int64_t y_row) {
     thread_local std::vector<float> sums;  // per row: 8 columns' sums, then 8 of their mins'
     sums.assign(static_cast<size_t>(rows) * 16, 0.0f);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_Kx8& g = w[b];
-        prefetch(w + b + AHEAD, w + blocks);
+        prefetch(w + b + AHEAD, end);
         // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn;
         // each column's scale for sub-block s in its two 32-bit lanes.
         alignas(64) uint8_t q[8][4][64];
@@ -277,14 +277,14 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const uint8_t* x, siz
 // apart): each as ggml_vec_dot_q6_K_q8_K computes it alone. Its lanes: lane j of each 32 bytes of
 // quants sums bytes 4j..4j+3 times the scale of their 16 (the first 16 bytes' scale in lanes 0-3),
 // less 32 times the activations' sums of values 32j..32j+31 times their scales.
-void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const uint8_t* x, size_t x_row, int64_t rows, float* y,
-                       int64_t y_row) {
+void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row,
+                       int64_t rows, float* y, int64_t y_row) {
     thread_local std::vector<__m256> sums;
     sums.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q6_K& blk = w[b];
-        prefetch(w + b + AHEAD * 4, w + blocks);
+        prefetch(w + b + AHEAD * 4, end);
         __m256i q[8], scale[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
         for (int j = 0; j < 2; ++j) {
             const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j));
@@ -424,14 +424,15 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
 #if defined(__AVX2__)
     if (r1 - r0 > 1 && !p.gemm && (p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K)) {
         const int64_t blocks = k / QK_K;
+        const uint8_t* end = p.w + last * p.w_row;
         for (int64_t col = first; col < last; col += p.unit()) {
             const uint8_t* w = p.w + col * p.w_row;
             const uint8_t* x = xq + r0 * p.x->row;
             float* y = p.y + r0 * p.n + col;
             if (p.il)
-                gemv_rows_q4_K(reinterpret_cast<const block_q4_Kx8*>(w), blocks, x, p.x->row, r1 - r0, y, p.n);
+                gemv_rows_q4_K(reinterpret_cast<const block_q4_Kx8*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
             else
-                vec_dot_rows_q6_K(reinterpret_cast<const block_q6_K*>(w), blocks, x, p.x->row, r1 - r0, y, p.n);
+                vec_dot_rows_q6_K(reinterpret_cast<const block_q6_K*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
         }
         return;
     }
