@@ -717,12 +717,12 @@ def test_one_round_that_keeps_a_single_token_does_not_turn_the_pacer_to_plain_st
 
 
 def test_the_draft_model_keeps_its_turn_while_plain_steps_are_only_a_little_cheaper():
-    """Where the draft model paid, its rounds turning 10% dearer a token than plain steps (noise, on
-    prose) do not turn the pacer to plain steps; 40% dearer (a long context) do."""
+    """Where the draft model paid, its rounds turning 3% dearer a token than plain steps (noise)
+    do not turn the pacer to plain steps; 12% dearer (rounds that no longer pay) do."""
     pacer = Pacer()
     paced_kinds(pacer, 10, lambda spec: (0.09, 2) if spec else (0.05, 1))
-    assert sum(paced_kinds(pacer, 40, lambda spec: (0.11, 2) if spec else (0.05, 1))) >= 38  # (and a probe)
-    assert sum(paced_kinds(pacer, 60, lambda spec: (0.14, 2) if spec else (0.05, 1))[-24:]) <= 2  # probes
+    assert sum(paced_kinds(pacer, 40, lambda spec: (0.103, 2) if spec else (0.05, 1))) >= 38  # (and a probe)
+    assert sum(paced_kinds(pacer, 60, lambda spec: (0.112, 2) if spec else (0.05, 1))[-24:]) <= 2  # probes
 
 
 def test_the_pacer_does_not_probe_speculation_that_could_not_pay_even_if_every_draft_landed():

@@ -297,7 +297,7 @@ class Pacer:
     # so the draft model is probed at most half as often.
     MAX_SPECULATIVE_INTERVAL = 2 * MAX_INTERVAL
     PROBE_CATCH_UP = 4.0
-    HYSTERESIS = 0.25
+    HYSTERESIS = 0.05
 
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
     memory: dict[RoundKind, Figures] = field(default_factory=dict)
@@ -335,11 +335,11 @@ class Pacer:
         """Weigh the two kinds' figures again (called whenever they move, once both are measured):
         the draft model stays preferred until plain steps are cheaper by :attr:`HYSTERESIS`, and
         becomes so as soon as it is cheaper; the first comparison (from the memory, or a try and a
-        step) gives it the margin. On prose at a short context its rounds pay a little over a set
-        of answers but vary more than that over a few rounds (1 to 5 tokens each), and a switch to
-        plain steps lasts eight rounds or more, then pays new pass shapes and the draft's
-        catch-up; where plain steps truly pay (thousands of tokens of history) the margin is
-        passed within a few rounds (docs/design.md, "Speculating only while it pays")."""
+        step) gives it the margin. A switch to plain steps lasts eight rounds or more, then pays new
+        pass shapes and the draft's catch-up, so a few unlucky rounds (1 to 5 tokens each) should
+        not make it; but where the draft model's rounds merely break even (code on ggml's kernels,
+        2 cores) a wider margin kept them running a few percent dearer than plain steps
+        (docs/design.md, "Speculating only while it pays")."""
         draft, plain = self.figures[DRAFT].cost, self.figures[PLAIN].cost
         if self._preferred is None:
             prefers_draft = draft <= (1 + self.HYSTERESIS) * plain
