@@ -47,7 +47,7 @@ OP = "GgmlLinear op: interleaved rows, each a one-row gemv's bits (decoding, ver
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
 OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
-TILED_ROWS = 32  # from this many rows the op puts interleaved rows back as stored (ggml_linear.cpp)
+TILED_ROWS = 256  # from this many rows the op puts interleaved rows back as stored (ggml_linear.cpp)
 PLUGIN = "plugin compressed FC (gguf form)"
 GGML = "ggml mul_mat"
 GGML_REPACKED = "ggml mul_mat, repacked (llama.cpp's default)"
@@ -192,8 +192,9 @@ def probe(args: argparse.Namespace) -> None:
             seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
             rows[name][f"ms_{m}"] = 1000 * seconds
         checks[f"{m} rows: op's gemv == ggml repacked, bit for bit"] = bool(np.array_equal(out[OP], out[GGML_REPACKED]))
-        # (below TILED_ROWS the op's batched kernel on interleaved rows is ggml's gemm, from there its tiled mul_mat)
-        gemm_peer = GGML_REPACKED if m < TILED_ROWS else GGML
+        # (below TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's bits;
+        # from there ggml's tiled mul_mat)
+        gemm_peer = OP if m < TILED_ROWS else GGML
         checks[f"{m} rows: op's batched kernels on interleaved rows == {gemm_peer}, bit for bit"] = bool(
             np.array_equal(out[OP_GEMM], out[gemm_peer])
         )

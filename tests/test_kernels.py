@@ -131,15 +131,18 @@ def test_gemm_reads_many_rows_as_a_row_alone_does_within_rounding(library, kind,
 
 
 def test_a_long_prompt_pass_puts_interleaved_rows_back_as_the_file_stores_them(library):
-    """From 32 rows a prompt pass multiplies interleaved Q4_K rows by ggml's tiled kernels, after
+    """From 256 rows a prompt pass multiplies interleaved Q4_K rows by ggml's tiled kernels, after
     putting them back as stored: bit for bit what the rows as stored give (every 6-bit scale and
-    min, and every quant, back in its place); below that, ggml's gemm."""
+    min, and every quant, back in its place); below that, the op's own multi-row kernel, each
+    row as it is alone."""
     rows = random_rows(Q.Q4_K, N, K, seed=16)
-    for m in (31, 32, 100):
+    alone = compiled(library, rows, Q.Q4_K)
+    for m in (255, 256, 300):
         x = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
         as_stored = compiled(library, rows, Q.Q4_K, interleave=False, gemm=True)({0: x})[0]
         interleaved = compiled(library, rows, Q.Q4_K, gemm=True)({0: x})[0]
-        assert np.array_equal(interleaved, as_stored) == (m >= 32)
+        assert np.array_equal(interleaved, as_stored) == (m >= 256)
+        assert np.array_equal(interleaved, alone({0: x})[0]) == (m < 256)
         np.testing.assert_allclose(interleaved, as_stored, atol=1e-5 * np.abs(as_stored).max())
 
 

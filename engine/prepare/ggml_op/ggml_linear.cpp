@@ -13,15 +13,15 @@
 // the file stores them. Outputs: f32 [..., N_i].
 //
 // Activation rows are quantized once per dot type (Q8_K for the K-quants, Q8_0 for the legacy
-// ones), as llama.cpp does. Interleaved weights are multiplied by ggml's gemv one activation row
-// at a time, or with `gemm` by its gemm four rows at a time and gemv for the rows left over
-// (llama.cpp's own way for a repacked weight: faster for many rows, but a row then rounds
-// differently with where it falls, so it is for prompt passes). Rows as stored go through the
-// type's vec_dot, one weight row by one activation row, or with `gemm` through ggml's own mul_mat
-// (its tiled kernels for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K
-// weight). Without gemm, several rows of Q4_K (interleaved) and Q6_K (as stored) share each
-// block's unpacking in the op's own kernels, which give every row gemv's or vec_dot's bits: a
-// row's result never depends on the other rows, bit for bit.
+// ones), as llama.cpp does. One activation row goes through ggml's own one-row kernels: gemv for
+// interleaved weights, vec_dot for rows as stored. Several rows of Q4_K (interleaved) and Q6_K
+// (as stored) share each block's unpacking in the op's own kernels, which give every row gemv's
+// or vec_dot's bits; other types go row by row. With `gemm` (prompt passes), ggml's batched
+// kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
+// for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
+// put back as stored for it from TILED_ROWS rows, and its gemm for the other interleaved types;
+// their rows round differently with where they fall in a pass. Without gemm, a row's result
+// never depends on the other rows, bit for bit.
 // A weight row is read once per tile of activation rows, and the weights' columns are split across
 // the plugin's own threads (the TBB arena the inference runs in): the op adds no thread of its
 // own (ggml's mul_mat runs on the thread that calls it).
@@ -59,10 +59,12 @@ constexpr int64_t COLUMNS_PER_BLOCK = 256;
 constexpr int64_t ROWS_PER_TILE = 64;
 constexpr int64_t INTERLEAVE = 8;  // weight rows interleaved together
 constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a time
-// From this many rows a prompt pass puts interleaved rows back as stored and multiplies them by
-// ggml's tiled kernels: a 1536 -> 8960 Q4_K layer took as long so as by gemm at 16 and 24 rows,
-// 2.6 ms against 3.7 at 64 rows and 8.5 against 14.7 at 256 (putting its rows back: 0.5 ms).
-constexpr int64_t TILED_ROWS = 32;
+// From this many rows a prompt pass puts interleaved Q4_K rows back as stored and multiplies them
+// by ggml's tiled kernels; below, by the op's own multi-row kernel, which a 1536 -> 8960 layer
+// took less time through than through ggml's gemm or tiled kernels at every width up to 128 rows
+// (0.67 ms against 1.07 by gemm at 16 rows, 5.3 against 5.7 tiled at 128) and more at 256 (9.2
+// against 8.7).
+constexpr int64_t TILED_ROWS = 256;
 constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and gemm)
 constexpr size_t GRAPH_NODES = 4;  // ggml's graph of one mul_mat: its weight, activations and result
 
@@ -418,11 +420,21 @@ struct Product {
     }
 };
 
+// Whether p's rows go through the op's own multi-row kernels where a pass has several rows
+// without gemm (Q4_K interleaved, Q6_K as stored; on AVX2 and up).
+bool has_rows_kernel(const Product& p) {
+#if defined(__AVX2__)
+    return p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K;
+#else
+    return false;
+#endif
+}
+
 // Columns [first, last) of rows [r0, r1) (r0 a multiple of GEMM_ROWS).
 void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t first, int64_t last) {
     const uint8_t* xq = p.x->data.data();
 #if defined(__AVX2__)
-    if (r1 - r0 > 1 && !p.gemm && (p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K)) {
+    if (r1 - r0 > 1 && !p.gemm && has_rows_kernel(p)) {
         const int64_t blocks = k / QK_K;
         const uint8_t* end = p.w + last * p.w_row;
         for (int64_t col = first; col < last; col += p.unit()) {
@@ -605,7 +617,7 @@ public:
             if (p.tr == nullptr || (m_interleaved[i] && p.il == nullptr))
                 return false;
             p.by_ggml = gemm && (p.il == nullptr || (p.il->deinterleave != nullptr && m >= TILED_ROWS));
-            p.gemm = gemm && p.il != nullptr && !p.by_ggml;
+            p.gemm = gemm && p.il != nullptr && !p.by_ggml && !has_rows_kernel(p);
             const ov::Tensor& w = inputs[i + WEIGHTS];
             p.w = w.data<const uint8_t>();
             p.w_row = w.get_shape()[1];
