@@ -191,7 +191,9 @@ def probe(args: argparse.Namespace) -> None:
         for name, repacked in ((GGML, False), (GGML_REPACKED, True)):
             seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
             rows[name][f"ms_{m}"] = 1000 * seconds
-        checks[f"{m} rows: op's gemv == ggml repacked, bit for bit"] = bool(np.array_equal(out[OP], out[GGML_REPACKED]))
+        checks[f"{m} rows: op == ggml repacked (its gemv below 4 rows, its gemm from 4), bit for bit"] = bool(
+            np.array_equal(out[OP], out[GGML_REPACKED])
+        )
         # (below TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's bits;
         # from there ggml's tiled mul_mat)
         gemm_peer = OP if m < TILED_ROWS else GGML

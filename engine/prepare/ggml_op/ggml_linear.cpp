@@ -497,12 +497,8 @@ void multiply_by_ggml(ggml_type type, const uint8_t* w, size_t w_row, int64_t co
 // Columns [first, last) of p, every row, through ggml's own mul_mat; interleaved rows are put back
 // as stored a block of columns at a time (in a scratch that stays in the core's L2).
 void multiply_columns_by_ggml(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
-    if (p.il == nullptr) {
-        for (int64_t c0 = first; c0 < last; c0 += COLUMNS_PER_BLOCK)
-            multiply_by_ggml(p.type, p.w + c0 * p.w_row, p.w_row, std::min(last, c0 + COLUMNS_PER_BLOCK) - c0, *p.x,
-                             p.y + c0, p.n, m, k);
-        return;
-    }
+    if (p.il == nullptr)
+        return multiply_by_ggml(p.type, p.w + first * p.w_row, p.w_row, last - first, *p.x, p.y + first, p.n, m, k);
     thread_local std::vector<uint8_t> rows;
     rows.resize(static_cast<size_t>(COLUMNS_PER_BLOCK) * p.w_row);
     const int64_t blocks = k / ggml_blck_size(p.type);
