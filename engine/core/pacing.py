@@ -298,6 +298,7 @@ class Pacer:
     MAX_SPECULATIVE_INTERVAL = 2 * MAX_INTERVAL
     PROBE_CATCH_UP = 4.0
     HYSTERESIS = 0.05
+    FAR = 0.25  # how much dearer the draft model's rounds were where its first probe waits longest
 
     most: int = 5  # the most tokens a speculative round can keep (K + 1)
     memory: dict[RoundKind, Figures] = field(default_factory=dict)
@@ -315,7 +316,15 @@ class Pacer:
             # after MIN_INTERVAL rounds, then less and less often (starting at the longest interval,
             # short answers never met it: docs/design.md, "Speculating only while it pays")
             self._update_preference()
-            self.interval = self.MAX_INTERVAL if self.preferred is DRAFT else self.MIN_INTERVAL
+            self.interval = self.MAX_INTERVAL if self.preferred is DRAFT else self._first_speculative_interval()
+
+    def _first_speculative_interval(self) -> int:
+        """Where plain steps paid on this kind of text, the rounds before the first probe of the
+        draft model: soon where its rounds came close (this request's text may be the kind it
+        pays on), at the longest interval where they were far dearer (prose, on which each probe
+        lost about two plain steps and almost none paid)."""
+        far = self.figures[DRAFT].cost > (1 + self.FAR) * self.figures[PLAIN].cost
+        return self.MAX_SPECULATIVE_INTERVAL if far else self.MIN_INTERVAL
 
     def _longest(self) -> int:
         """The longest interval between probes, by what a probe costs: of a plain step where the
