@@ -465,14 +465,17 @@ def test_a_new_requests_pacer_starts_from_what_the_server_measured_on_that_kind_
     assert code[: Pacer.MAX_INTERVAL] == [True] * Pacer.MAX_INTERVAL and code.count(False) == 1  # one probe
 
 
-@pytest.mark.parametrize(("draft_seconds", "first_probe"), [(0.11, Pacer.MIN_INTERVAL), (0.3, Pacer.MAX_SPECULATIVE_INTERVAL)])
+@pytest.mark.parametrize(
+    ("draft_seconds", "first_probe"), [(0.11, Pacer.MIN_INTERVAL), (0.3, Pacer.MAX_SPECULATIVE_INTERVAL)]
+)
 def test_where_the_draft_model_was_far_dearer_a_new_request_probes_it_late(draft_seconds, first_probe):
     """Where plain steps paid on a kind of text, a new request probes the draft model after
     MIN_INTERVAL plain steps if its rounds came close (10% dearer a token), and only after the
     longest interval where they were far dearer (prose: three times)."""
     pacing = Pacing()
-    paced_kinds(pacing.pacer(TextKind.PROSE, 5), 30, lambda spec: (draft_seconds if spec else 0.1, 1))
-    kinds = paced_kinds(pacing.pacer(TextKind.PROSE, 5), 2 * first_probe, lambda spec: (draft_seconds if spec else 0.1, 1))
+    costs = lambda spec: (draft_seconds if spec else 0.1, 1)  # noqa: E731
+    paced_kinds(pacing.pacer(TextKind.PROSE, 5), 30, costs)
+    kinds = paced_kinds(pacing.pacer(TextKind.PROSE, 5), 2 * first_probe, costs)
     assert kinds.index(True) == first_probe
 
 
