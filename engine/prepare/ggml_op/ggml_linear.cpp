@@ -230,7 +230,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
                     std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
                     part = _mm512_dpbusd_epi32(part, _mm512_load_si512(q[s][i]), _mm512_set1_epi64(eight));
                 }
-                wide = _mm512_add_epi32(wide, _mm512_madd_epi16(part, _mm512_load_si512(scale[s])));
+                wide = _mm512_dpwssd_epi32(wide, part, _mm512_load_si512(scale[s]));  // (part fits 16 bits)
             }
             isum[0] = _mm512_castsi512_si256(wide);
             isum[1] = _mm512_extracti64x4_epi64(wide, 1);
@@ -307,13 +307,31 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
         }
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        // Two runs of 32 values per register: lanes 8-15 hold the next run's, added to lanes 0-7
+        // at the end (the integer sums are exact in any order).
+        __m512i q2[4], scale2[4];
+        for (int w = 0; w < 4; ++w) {
+            q2[w] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * w]), q[2 * w + 1], 1);
+            scale2[w] = _mm512_inserti64x4(_mm512_castsi256_si512(scale[2 * w]), scale[2 * w + 1], 1);
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
             const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            __m512i wide = _mm512_setzero_si512();
+            for (int w = 0; w < 4; ++w) {  // each lane's 4 products fit 16 bits: times its scale in one step
+                const __m512i act = _mm512_loadu_si512(a->qs + 64 * w);
+                wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[w], act), scale2[w]);
+            }
+            __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
+#else
             __m256i isum = _mm256_setzero_si256();
             for (int v = 0; v < 8; ++v) {
                 const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * v));
                 isum = scaled(isum, dot4(_mm256_setzero_si256(), q[v], act), scale[v]);
             }
+#endif
             const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums));
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5));
             const float dd = a->d * wd;
