@@ -86,12 +86,12 @@ class PassCosts:
 
     @classmethod
     def measure(
-        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 5
+        cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = (), repeats: int = 7
     ) -> PassCosts:
-        """Time each pass ``repeats`` times after a short context (the medians): the target's at
-        width 1, 2, ``k`` + 1 and ``widths`` and a draft step, in rounds that take each once, so
-        that the ratios compare passes timed within a second of each other (this VM's speed drifts
-        by 10% within minutes, and one start-up reading had turned the draft model off); and, at
+        """Time each pass ``repeats`` times after a short context: the target's at width 1, 2,
+        ``k`` + 1 and ``widths`` and a draft step, in rounds that take each once, each against its
+        round's plain step (the medians of those ratios: this VM's speed drifts by 10% within
+        minutes, and one start-up reading had turned the draft model off); and, at
         each of :data:`REJECTION_CONTEXTS`, a rejection's rollback and a pass over ``k`` + 1
         tokens. Both caches are left empty."""
 
@@ -123,11 +123,16 @@ class PassCosts:
             runtime.forward([0] * 16)
         for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
             for (runtime, width), timings in zip(passes, seconds, strict=True):
+                if runtime is target and width == 1:  # a plain step after a plain step, as decoding runs them
+                    runtime.forward([0])  # (the first after a trim regrows the plugin's buffers)
                 timings.append(timed(runtime, width))
                 runtime.trim(16)
         target.reset()
         draft.reset()
-        medians = [statistics.median(timings[1:]) for timings in seconds]
+        # Each pass against the plain step of its own round (the medians of those ratios), in
+        # seconds of the median step: passes a second apart compare, minutes apart they do not.
+        step = statistics.median(seconds[0][1:])
+        medians = [step * statistics.median(t / s for t, s in zip(timings[1:], seconds[0][1:])) for timings in seconds]
         contexts = sorted({min(c, target.max_context // 2) for c in REJECTION_CONTEXTS})
         long = [(c, at_context(target, c)) for c in contexts]
         return cls(

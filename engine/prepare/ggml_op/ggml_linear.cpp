@@ -180,6 +180,40 @@ inline float sum8(__m256 x) {
     return _mm_cvtss_f32(r);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int ROW_TILE = 4;  // activation rows whose sums are kept in registers at once
+
+// The integer sums of one block of 8 interleaved Q4_K columns by T activation rows `a`: per row,
+// each sub-block's sums times its scales, lanes 2c and 2c+1 holding column c's. Each 64 bytes of
+// quants are loaded and split into their two sub-blocks' nibbles once for the T rows.
+template <int T>
+inline void q4_K_block_sums(const block_q4_Kx8& g, const int32_t (*scale)[16], const block_q8_K* const* a,
+                            __m512i* wide) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int t = 0; t < T; ++t)
+        wide[t] = _mm512_setzero_si512();
+    for (int l = 0; l < 4; ++l) {  // sub-blocks 2l (low nibbles) and 2l + 1 (high)
+        __m512i lo[T], hi[T];
+        for (int t = 0; t < T; ++t)
+            lo[t] = hi[t] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) {  // chunk i: 8 values of each column
+            const __m512i raw = _mm512_loadu_si512(g.qs + l * 256 + i * 64);
+            const __m512i ql = _mm512_and_si512(raw, m15), qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
+            for (int t = 0; t < T; ++t) {
+                int64_t first, second;
+                std::memcpy(&first, a[t]->qs + 64 * l + 8 * i, sizeof(first));
+                std::memcpy(&second, a[t]->qs + 64 * l + 32 + 8 * i, sizeof(second));
+                lo[t] = _mm512_dpbusd_epi32(lo[t], ql, _mm512_set1_epi64(first));
+                hi[t] = _mm512_dpbusd_epi32(hi[t], qh, _mm512_set1_epi64(second));
+            }
+        }
+        const __m512i s0 = _mm512_load_si512(scale[2 * l]), s1 = _mm512_load_si512(scale[2 * l + 1]);
+        for (int t = 0; t < T; ++t)  // (a sub-block's sums fit 16 bits: times its scales in one step)
+            wide[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(wide[t], lo[t], s0), hi[t], s1);
+    }
+}
+#endif
+
 // A group of 8 interleaved Q4_K weight rows by `rows` Q8_K activation rows (`x_row` bytes apart),
 // into y (rows `y_row` floats apart): each row as ggml_gemv_q4_K_8x8_q8_K computes it alone.
 void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
@@ -189,18 +223,8 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_Kx8& g = w[b];
         prefetch(w + b + AHEAD, end);
-        // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn;
-        // each column's scale for sub-block s in its two 32-bit lanes.
-        alignas(64) uint8_t q[8][4][64];
+        // Each column's scale for sub-block s in its two 32-bit lanes.
         alignas(64) int32_t scale[8][16];
-        for (int l = 0; l < 4; ++l)
-            for (int i = 0; i < 4; ++i)
-                for (int h = 0; h < 2; ++h) {
-                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.qs + l * 256 + i * 64 + h * 32));
-                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l][i] + 32 * h), _mm256_and_si256(raw, _mm256_set1_epi8(15)));
-                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l + 1][i] + 32 * h),
-                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15)));
-                }
         __m128i mn[8];  // per sub-block, the 8 columns' mins as 16-bit values
         for (int s = 0; s < 8; ++s) {
             const auto [scales, mins] = scales_and_mins(g.scales + s * 12);
@@ -217,40 +241,11 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
             d[c] = _cvtsh_ss(g.d[c]);
             dmin[c] = _cvtsh_ss(g.dmin[c]);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-            const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
-            // per 32-bit lane (two per column, columns 0-3 then 4-7): its sub-blocks' sums times their scales
-            __m256i isum[2];
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            __m512i wide = _mm512_setzero_si512();
-            for (int s = 0; s < 8; ++s) {
-                __m512i part = _mm512_setzero_si512();
-                for (int i = 0; i < 4; ++i) {
-                    int64_t eight;
-                    std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
-                    part = _mm512_dpbusd_epi32(part, _mm512_load_si512(q[s][i]), _mm512_set1_epi64(eight));
-                }
-                wide = _mm512_dpwssd_epi32(wide, part, _mm512_load_si512(scale[s]));  // (part fits 16 bits)
-            }
-            isum[0] = _mm512_castsi512_si256(wide);
-            isum[1] = _mm512_extracti64x4_epi64(wide, 1);
-#else
-            isum[0] = isum[1] = _mm256_setzero_si256();
-            for (int s = 0; s < 8; ++s) {
-                __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int i = 0; i < 4; ++i) {
-                    int64_t eight;
-                    std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
-                    const __m256i act = _mm256_set1_epi64x(eight);
-                    for (int h = 0; h < 2; ++h)
-                        part[h] = dot4(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
-                }
-                for (int h = 0; h < 2; ++h)
-                    isum[h] = scaled(isum[h], part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(scale[s] + 8 * h)));
-            }
-#endif
+        // Row r's sums and mins from its integer sums (per 32-bit lane, two per column, columns 0-3
+        // then 4-7), in gemv's f32 steps.
+        const auto finish = [&](int64_t r, const block_q8_K* a, __m256i low, __m256i high) {
             // lanes 2c and 2c+1 hold column c's: hadd gives columns 0 1 4 5 2 3 6 7
-            const __m256i by_column = _mm256_permute4x64_epi64(_mm256_hadd_epi32(isum[0], isum[1]), 0xD8);
+            const __m256i by_column = _mm256_permute4x64_epi64(_mm256_hadd_epi32(low, high), 0xD8);
             // the activations' sums of each sub-block's 32 values, two sub-blocks per 32 bits
             int32_t bsum[4];
             const __m128i halves = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums)),
@@ -267,7 +262,53 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(_mm256_loadu_ps(dmin), dy), _mm256_loadu_ps(acc + 8));
             _mm256_storeu_ps(acc, sum);
             _mm256_storeu_ps(acc + 8, min_sum);
+        };
+        const auto row = [&](int64_t r) { return reinterpret_cast<const block_q8_K*>(x + r * x_row) + b; };
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int tile = static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0));
+            const block_q8_K* a[ROW_TILE];
+            for (int t = 0; t < tile; ++t)
+                a[t] = row(r0 + t);
+            __m512i wide[ROW_TILE];
+            switch (tile) {
+            case 4: q4_K_block_sums<4>(g, scale, a, wide); break;
+            case 3: q4_K_block_sums<3>(g, scale, a, wide); break;
+            case 2: q4_K_block_sums<2>(g, scale, a, wide); break;
+            default: q4_K_block_sums<1>(g, scale, a, wide);
+            }
+            for (int t = 0; t < tile; ++t)
+                finish(r0 + t, a[t], _mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
         }
+#else
+        // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn.
+        alignas(64) uint8_t q[8][4][64];
+        for (int l = 0; l < 4; ++l)
+            for (int i = 0; i < 4; ++i)
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.qs + l * 256 + i * 64 + h * 32));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l][i] + 32 * h), _mm256_and_si256(raw, _mm256_set1_epi8(15)));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l + 1][i] + 32 * h),
+                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15)));
+                }
+        for (int64_t r = 0; r < rows; ++r) {
+            const block_q8_K* a = row(r);
+            __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int s = 0; s < 8; ++s) {
+                __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int i = 0; i < 4; ++i) {
+                    int64_t eight;
+                    std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
+                    const __m256i act = _mm256_set1_epi64x(eight);
+                    for (int h = 0; h < 2; ++h)
+                        part[h] = dot4(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
+                }
+                for (int h = 0; h < 2; ++h)
+                    isum[h] = scaled(isum[h], part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(scale[s] + 8 * h)));
+            }
+            finish(r, a, isum[0], isum[1]);
+        }
+#endif
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float* acc = sums.data() + r * 16;
