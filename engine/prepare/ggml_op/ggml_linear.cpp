@@ -218,8 +218,9 @@ inline void q4_K_block_sums(const block_q4_Kx8& g, const int32_t (*scale)[16], c
 // into y (rows `y_row` floats apart): each row as ggml_gemv_q4_K_8x8_q8_K computes it alone.
 void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row) {
-    thread_local std::vector<float> sums;  // per row: 8 columns' sums, then 8 of their mins'
-    sums.assign(static_cast<size_t>(rows) * 16, 0.0f);
+    thread_local std::vector<float> scratch;  // per row: 8 columns' sums, then 8 of their mins'
+    scratch.assign(static_cast<size_t>(rows) * 16, 0.0f);
+    float* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_Kx8& g = w[b];
         prefetch(w + b + AHEAD, end);
@@ -255,7 +256,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
             for (int t = 0; t < 4; ++t)
                 imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(bsum[t])));
             const __m256 dy = _mm256_set1_ps(a->d);
-            float* acc = sums.data() + r * 16;
+            float* acc = sums + r * 16;
             const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by_column), _mm256_mul_ps(_mm256_loadu_ps(d), dy),
                                                _mm256_loadu_ps(acc));
             const __m256 min_sum =
@@ -311,7 +312,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
 #endif
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const float* acc = sums.data() + r * 16;
+        const float* acc = sums + r * 16;
         _mm256_storeu_ps(y + r * y_row, _mm256_sub_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
     }
 }
@@ -322,8 +323,9 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
 // less 32 times the activations' sums of values 32j..32j+31 times their scales.
 void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row,
                        int64_t rows, float* y, int64_t y_row) {
-    thread_local std::vector<__m256> sums;
-    sums.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
+    thread_local std::vector<__m256> scratch;
+    scratch.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
+    __m256* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q6_K& blk = w[b];
