@@ -91,9 +91,9 @@ class PassCosts:
         """Time each pass ``repeats`` times after a short context: the target's at width 1, 2,
         ``k`` + 1 and ``widths`` and a draft step, in rounds that take each once, each against its
         round's plain step (the medians of those ratios: this VM's speed drifts by 10% within
-        minutes, and one start-up reading had turned the draft model off); and, at
-        each of :data:`REJECTION_CONTEXTS`, a rejection's rollback and a pass over ``k`` + 1
-        tokens. Both caches are left empty."""
+        minutes, and one start-up reading had turned the draft model off); and, at each of
+        :data:`REJECTION_CONTEXTS`, a rejection's rollback and a pass over ``k`` + 1 tokens. Both
+        caches are left empty."""
 
         def timed(runtime: Runtime, width: int) -> float:
             start = time.perf_counter()
@@ -325,8 +325,9 @@ class Pacer:
         self.figures = {kind: replace(figures) for kind, figures in self.memory.items()} | self.figures
         if self._both():  # the server knows which kind pays on this text: probes of plain steps seldom;
             # where plain steps paid before, the draft model is probed on this request's own text
-            # after MIN_INTERVAL rounds, then less and less often (starting at the longest interval,
-            # short answers never met it: docs/design.md, "Speculating only while it pays")
+            # after MIN_INTERVAL rounds (where its rounds came close), then less and less often
+            # (starting at the longest interval, short answers never met it: docs/design.md,
+            # "Speculating only while it pays")
             self._update_preference()
             self.interval = self.MAX_INTERVAL if self.preferred is DRAFT else self._first_speculative_interval()
 
