@@ -130,8 +130,7 @@ def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memor
     """A paste at the input cap (about 24,000 tokens; minutes of prefill on 2 cores) is answered,
     and the process never holds more than its budget; after the answer, no more than the caches
     it keeps plus 4 GiB, what the pair loaded holds (README, "Requirements"; docs/design.md,
-    "Memory"). (It read 4e9 bytes, 3.7 GiB: after a 24,000-token answer the process held 2.11 GB
-    of kept caches and 4.13 GB besides.)"""
+    "Memory")."""
     words = real_engine.max_input_tokens - 64  # "word " is one token; the chat template adds a few
     request = Request(({"role": "user", "content": "word " * words},), mode="best", max_new_tokens=8)
     assert len(real_engine.check(request)) <= real_engine.max_input_tokens
