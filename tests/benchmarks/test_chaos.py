@@ -15,7 +15,7 @@ from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.core.turns import PUBLIC_LIMITS
-from tests.test_decoding import idle
+from tests.test_decoding import idle, slowed
 from tests.ui.served import serve
 from ui.launch import launch
 from ui.page import build_app
@@ -28,8 +28,11 @@ def url(engine):
     demo.close()
 
 
-def test_a_chaos_run_leaves_every_normal_answer_intact(url):
-    """Normal and misbehaving users together (bounded, loopback): benchmarks.chaos on tiny models."""
+def test_a_chaos_run_leaves_every_normal_answer_intact(url, engine, monkeypatch):
+    """Normal and misbehaving users together (bounded, loopback): benchmarks.chaos on tiny models,
+    paced as a big model (unpaced, the story closed mid-answer could be written in full between
+    two polls of its client, and there would be nothing left to close)."""
+    slowed(monkeypatch, engine.target, 0.02)
     tallies, phases = chaos.run(
         url, ["def add(a, b):", "class Stack:"], users=2, rounds=1, max_new_tokens=24, seconds=120, flood=False
     )
