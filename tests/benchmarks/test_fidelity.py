@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.fidelity import CHUNK, log_softmax, passes, perplexity, problems, program
+from benchmarks.fidelity import CHUNK, kept_log_probs, log_softmax, passes, problems, program, text_scores
 from engine.core.runtime import EXACT_CONFIG, Runtime
 
 
@@ -16,15 +16,44 @@ def test_perplexity_scores_the_second_half_of_each_chunk_read_fresh(long_target)
     model = Runtime(long_target, config=EXACT_CONFIG)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.vocab_size, 2 * CHUNK + 100).tolist()  # two whole chunks; the rest is left out
-    nll, count = 0.0, 0
+    nll, count, top = 0.0, 0, []
     for chunk in (ids[:CHUNK], ids[CHUNK : 2 * CHUNK]):
         model.reset()
         for position, token in enumerate(chunk[:-1]):  # one token at a time, predicting the next
             logp = log_softmax(model.forward([token]))[-1]
             if position >= CHUNK // 2:
                 nll, count = nll - logp[chunk[position + 1]], count + 1
+                top.append(int(logp.argmax()))
     assert count == 2 * (CHUNK // 2 - 1)
-    assert perplexity(model, ids) == pytest.approx(float(np.exp(nll / count)), rel=1e-4)
+    perplexity, tops = text_scores(model, ids)
+    assert perplexity == pytest.approx(float(np.exp(nll / count)), rel=1e-4)
+    assert np.mean(np.asarray(tops) == top) > 0.99  # (a near-tie may round to another top)
+
+
+def test_the_base_file_is_laid_out_as_llama_perplexity_reads_it(long_target, tmp_path):
+    """``--kl-divergence-base``: "_logits_", the context, the vocabulary, the chunks, every token
+    of the chunks, then per scored row a scale and the lowest log-probability (f32) and a uint16
+    per token (an even count), from which each log-probability comes back within half a step."""
+    model = Runtime(long_target, config=EXACT_CONFIG)
+    ids = np.random.default_rng(1).integers(0, model.vocab_size, 2 * CHUNK + 7).tolist()
+    path = tmp_path / "base.kld"
+    with path.open("wb") as file:
+        _, top = text_scores(model, ids, file)
+    data = path.read_bytes()
+    assert data[:8] == b"_logits_"
+    n_ctx, n_vocab, n_chunk = np.frombuffer(data, np.int32, 3, 8)
+    assert (n_ctx, n_vocab, n_chunk) == (CHUNK, model.vocab_size, 2)
+    assert np.frombuffer(data, np.int32, 2 * CHUNK, 20).tolist() == ids[: 2 * CHUNK]
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    rows = np.frombuffer(data, np.uint16, offset=20 + 8 * CHUNK).reshape(-1, nv)
+    assert len(rows) == 2 * (CHUNK // 2 - 1) and rows[:, 4:].argmax(-1).tolist() == top
+    model.reset()
+    logp = log_softmax(model.forward(ids[:CHUNK], CHUNK // 2))[:-1]
+    scale, low = rows[: len(logp), :4].copy().view(np.float32).T
+    back = scale[:, None] * rows[: len(logp), 4 : 4 + n_vocab] + low[:, None]
+    kept = logp >= low[:, None]
+    assert np.abs(back - logp)[kept].max() <= scale.max() / 2 + 1e-5
+    assert np.array_equal(kept_log_probs(logp), rows[: len(logp)])
 
 
 SOLUTION = """def has_close_elements(numbers, threshold):
@@ -74,7 +103,7 @@ def test_the_files_side_is_computed_once_and_read_back(long_target, tmp_path, mo
     first = fidelity.the_files_side(args, long_target, tokenizer, text_ids)
     monkeypatch.setattr(fidelity, "Runtime", lambda *a, **k: pytest.fail("the file's side was computed again"))
     again = fidelity.the_files_side(args, long_target, tokenizer, text_ids)
-    assert json.dumps(again) == json.dumps(first) and set(again) == {"sequences", "positions", "perplexity"}
+    assert json.dumps(again) == json.dumps(first) and set(again) == {"sequences", "positions", "perplexity", "text_top"}
     model = Runtime(long_target, config=EXACT_CONFIG)
     top1, deltas = fidelity.agreement(again["positions"]["coding"], model, again["sequences"]["coding"])
     assert top1 == 1.0 and max(deltas) < 1e-4
