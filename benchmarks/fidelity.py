@@ -203,23 +203,17 @@ def llamacpp_perplexity(binary: Path, gguf: Path, text: str) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as file:
         file.write(text)
         file.flush()
-        return float(_llama_perplexity(binary, gguf, ["-f", file.name], r"Final estimate: PPL = ([0-9.]+)"))
+        return _llama_perplexity(binary, gguf, ["-f", file.name], r"Final estimate: PPL = ([0-9.]+)")
 
 
 def llamacpp_same_top(binary: Path, gguf: Path, base: Path) -> float:
     """llama.cpp's top-1 agreement with the model whose log-probabilities ``base`` keeps
     (``llama-perplexity --kl-divergence`` over the tokens the file holds): its "Same top p"."""
-    return (
-        float(
-            _llama_perplexity(
-                binary, gguf, ["--kl-divergence-base", str(base), "--kl-divergence"], r"Same top p:\s*([0-9.]+)"
-            )
-        )
-        / 100
-    )
+    kl_divergence = ["--kl-divergence-base", str(base), "--kl-divergence"]
+    return _llama_perplexity(binary, gguf, kl_divergence, r"Same top p:\s*([0-9.]+)") / 100
 
 
-def _llama_perplexity(binary: Path, gguf: Path, inputs: list[str], figure: str) -> str:
+def _llama_perplexity(binary: Path, gguf: Path, inputs: list[str], figure: str) -> float:
     """The figure ``llama-perplexity`` prints (the regular expression's group) on the GGUF, reading
     chunks of :data:`CHUNK` tokens."""
     result = subprocess.run(
@@ -228,7 +222,7 @@ def _llama_perplexity(binary: Path, gguf: Path, inputs: list[str], figure: str) 
     found = re.search(figure, result.stdout + result.stderr)
     if not found:
         raise EngineError(f"llama-perplexity gave no {figure!r} (exit {result.returncode}):\n{result.stderr[-1500:]}")
-    return found.group(1)
+    return float(found.group(1))
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,8 @@ class PassCosts:
     ) -> PassCosts:
         """Time each pass ``repeats`` times after a short context: the target's at width 1, 2,
         ``k`` + 1 and ``widths`` and a draft step, in rounds that take each once, each against its
-        round's plain step (the medians of those ratios: this VM's speed drifts by 10% within
-        minutes, and one start-up reading had turned the draft model off); and, at each of
+        round's plain step (the medians of those ratios: a machine's speed may drift by 10% within
+        minutes, and passes timed a second apart still compare); and, at each of
         :data:`REJECTION_CONTEXTS`, a rejection's rollback and a pass over ``k`` + 1 tokens. Both
         caches are left empty."""
 

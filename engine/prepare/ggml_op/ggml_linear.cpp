@@ -130,6 +130,11 @@ void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
 // integer sums are computed here another way (VNNI where the CPU has it) and the f32 steps are
 // theirs, in their order.
 
+// The multi-row kernels' 512-bit paths: AVX-512 VNNI on byte and word lanes.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI_512 1
+#endif
+
 // Per 32-bit lane, the sum of 4 products of unsigned bytes w and signed bytes a, added to acc.
 inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -180,7 +185,7 @@ inline float sum8(__m256 x) {
     return _mm_cvtss_f32(r);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef VNNI_512
 constexpr int ROW_TILE = 4;  // activation rows whose sums are kept in registers at once
 
 // The integer sums of one block of 8 interleaved Q4_K columns by T activation rows `a`: per row,
@@ -265,7 +270,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
             _mm256_storeu_ps(acc + 8, min_sum);
         };
         const auto row = [&](int64_t r) { return reinterpret_cast<const block_q8_K*>(x + r * x_row) + b; };
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef VNNI_512
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0));
             const block_q8_K* a[ROW_TILE];
@@ -350,22 +355,22 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
         }
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef VNNI_512
         // Two runs of 32 values per register: lanes 8-15 hold the next run's, added to lanes 0-7
         // at the end (the integer sums are exact in any order).
         __m512i q2[4], scale2[4];
-        for (int w = 0; w < 4; ++w) {
-            q2[w] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * w]), q[2 * w + 1], 1);
-            scale2[w] = _mm512_inserti64x4(_mm512_castsi256_si512(scale[2 * w]), scale[2 * w + 1], 1);
+        for (int v = 0; v < 4; ++v) {
+            q2[v] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * v]), q[2 * v + 1], 1);
+            scale2[v] = _mm512_inserti64x4(_mm512_castsi256_si512(scale[2 * v]), scale[2 * v + 1], 1);
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
             const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef VNNI_512
             __m512i wide = _mm512_setzero_si512();
-            for (int w = 0; w < 4; ++w) {  // each lane's 4 products fit 16 bits: times its scale in one step
-                const __m512i act = _mm512_loadu_si512(a->qs + 64 * w);
-                wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[w], act), scale2[w]);
+            for (int v = 0; v < 4; ++v) {  // each lane's 4 products fit 16 bits: times its scale in one step
+                const __m512i act = _mm512_loadu_si512(a->qs + 64 * v);
+                wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[v], act), scale2[v]);
             }
             __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
 #else
