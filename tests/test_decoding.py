@@ -552,13 +552,14 @@ def test_the_draft_models_catch_up_is_timed_apart_from_its_rounds(pair, tok, mon
 
 
 def test_the_draft_model_is_not_run_where_a_round_needs_more_acceptance_than_the_draft_reaches():
-    """Where a round costs 1.9 plain steps, drafts landing seven times in ten pay. Where it costs
-    four (an AVX2 CPU), they must land more than nine times in ten, more than the draft agrees with
-    the target even on code: the draft model is not run there at all."""
+    """Where a round costs 1.9 plain steps, drafts landing seven times in ten pay; where it costs
+    four, nearly nine in ten. Where it costs four and a half (an AVX2 CPU) and must beat plain
+    steps by the try margin, they must land more than 95 times in a hundred, more than the draft
+    agrees with the target even on code: the draft model is not run there at all."""
     assert break_even_acceptance(0.9, 4) == 0.0 and break_even_acceptance(5.0, 4) == math.inf
     alpha = break_even_acceptance(4.0, 4)
     assert 0.88 < alpha < 0.9 and (1 - alpha**5) / (1 - alpha) == pytest.approx(4.0)
-    assert AVX2_MEASURED.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.0, 4))
+    assert AVX2_MEASURED.break_even() == pytest.approx(break_even_acceptance(TRY_MARGIN * 4.5, 4), rel=1e-3)
     assert AVX512.break_even() < CEILING < AVX2_MEASURED.break_even()
     assert Pacing(AVX512).draft_model_may_pay and not Pacing(AVX2_MEASURED).draft_model_may_pay
     assert Pacing().draft_model_may_pay  # no machine figures: any round may pay
@@ -604,7 +605,8 @@ def test_a_rejection_costs_more_the_longer_the_context():
 # 8,000 tokens, in plain steps, as measured on two CPUs (docs/benchmarks.md).
 AVX2 = PassCosts(1.0, ((2, 1.41), (5, 2.54), (9, 3.2), (17, 5.44)), 0.36, 4, ((1000, 0.35), (4000, 1.6), (8000, 6.1)))
 AVX512 = PassCosts(1.0, ((2, 1.05), (5, 1.4), (9, 1.6), (17, 2.0)), 0.3, 4, ((1000, 0.5), (4000, 2.0), (8000, 4.0)))
-AVX2_MEASURED = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.026, k=4)  # (1-token draft steps)
+# (a round of 4 two-token draft steps and its verify: 4.5 plain steps, as docs/benchmarks.md, "An AVX2 machine")
+AVX2_MEASURED = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.035, k=4)
 HOPELESS = PassCosts(1.0, ((5, 6.0),), 0.5, 4)  # a verify pass dearer than K + 1 plain steps
 
 
