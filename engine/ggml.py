@@ -16,9 +16,9 @@ from openvino.utils.node_factory import NodeFactory
 
 GGML_LINEAR = "GgmlLinear"
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
-# (Its second form: weights with interleaved kernels keep their rows interleaved. A cache holding
-# the first form, openvino_model_ggml.xml, writes this one and drops that.)
-GGML_XML = "openvino_model_ggml2.xml"
+# (Its third form: weights with interleaved kernels keep their rows interleaved, and an int4
+# model's rows are 4-bit blocks. A cache holding an earlier form writes this one and drops that.)
+GGML_XML = "openvino_model_ggml3.xml"
 # Its input that turns ggml's batched kernels on for a pass (its gemm, its tiled mul_mat) (engine.core.runtime:
 # a prompt reader's passes).
 GEMM_INPUT = "ggml_gemm"

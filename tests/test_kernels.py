@@ -81,10 +81,10 @@ def test_the_op_multiplies_by_the_weight_its_blocks_hold(library, kind):
     assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0, Q.Q6_K, Q.Q8_0])
 def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(library, kind):
-    """Rows of one pass share its weight reads (Q4_K interleaved and Q6_K: the op's own multi-row
-    kernels; others: the one-row kernel per row), and each comes out as it does alone."""
+    """Rows of one pass share its weight reads (Q4_K and Q4_0 interleaved and Q6_K: the op's own
+    multi-row kernels; others: the one-row kernel per row), and each comes out as it does alone."""
     rows = random_rows(kind, N, K, seed=3)
     x = np.random.default_rng(4).standard_normal((70, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, 70)[:, None]
     model = compiled(library, rows, kind)
@@ -251,6 +251,49 @@ def test_greedy_output_is_the_same_in_every_mode_with_the_gemm_reader(gguf_targe
     engine.close()
     assert all(a.kind == "done" for a in answers.values()) and answers["autoregressive"].metrics["prompt_tokens"] > 64
     assert answers[mode].token_ids == answers["autoregressive"].token_ids
+
+
+def graph_types(entry: Path, library: Path) -> set[str]:
+    """The ggml types of the op's weights in ``entry``'s graph on ggml's kernels."""
+    core = ov.Core()
+    ggml.register(core, library)
+    nodes = [n for n in core.read_model(entry / GGML_XML).get_ordered_ops() if n.get_type_name() == ggml.GGML_LINEAR]
+    return {Q(kind).name for node in nodes for kind in node.get_attributes()["ggml_types"]}
+
+
+def test_an_int4_model_runs_on_4_bit_rows_and_a_gguf_one_on_the_files_own(hf_draft, tiny_dir, tiny_cache, library):
+    """The draft's default, int4: its file's Q8_0 rows are requantized to Q4_0 for ggml's kernels
+    (its rounding never reaches an answer), close to the file's own rows; the file's model keeps them."""
+    folder = tiny_dir / "gguf-q8"
+    folder.mkdir(exist_ok=True)
+    file = write_gguf(hf_draft, folder / "tiny-draft-Q8_0.gguf", Q.Q8_0)
+    entries = {}
+    for precision in ("gguf", "int4"):
+        entries[precision] = prepare_one(str(file), Compression(precision, group_size=32), tiny_cache).path
+        ggml_ir.write(entries[precision], file, library, print, four_bit=precision == "int4")
+    assert graph_types(entries["gguf"], library) == {"Q8_0"}
+    assert graph_types(entries["int4"], library) == {"Q4_0"}
+    files, four_bit = (
+        Runtime(entries[p], config=EXACT_CONFIG, kernels=library).forward(TOKENS, rows=len(TOKENS))
+        for p in ("gguf", "int4")
+    )
+    # (4 bits move a tiny random model's flat logits far; rows out of order would leave nothing alike)
+    alike = (four_bit * files).sum(-1) / np.linalg.norm(four_bit, axis=-1) / np.linalg.norm(files, axis=-1)
+    assert alike.mean() >= 0.85
+
+
+def test_rows_in_four_bits_are_within_a_q4_0_step_of_the_files():
+    """Half a step, rounded to the nearest code, but where a value lies at the far end of Q4_0's
+    codes (8 steps one way, 7 the other)."""
+    rows = random_rows(Q.Q8_0, N, K, seed=21)
+    four, kind = ggml_ir.in_four_bits(rows, int(Q.Q8_0))
+    assert kind == Q.Q4_0 and four.shape == (N, K // 32 * 18)
+    weights = gguf.quants.dequantize(rows, Q.Q8_0).reshape(N, K // 32, 32)
+    step = np.abs(weights).max(-1, keepdims=True) / 8  # (Q4_0's scale: the block's largest value over 8)
+    error = np.abs(gguf.quants.dequantize(four, Q.Q4_0).reshape(weights.shape) - weights)
+    assert (error <= 1.01 * step).all() and (error <= step / 2 + 1e-6).mean() >= 0.99
+    q4_k = random_rows(Q.Q4_K, N, K, seed=22)
+    assert ggml_ir.in_four_bits(q4_k, int(Q.Q4_K))[0] is q4_k
 
 
 def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):

@@ -14,12 +14,12 @@
 //
 // Activation rows are quantized once per dot type (Q8_K for the K-quants, Q8_0 for the legacy
 // ones), as llama.cpp does. One activation row goes through ggml's own one-row kernels: gemv for
-// interleaved weights, vec_dot for rows as stored. Several rows of Q4_K (interleaved) and Q6_K
-// (as stored) share each block's unpacking in the op's own kernels, which give every row gemv's
-// or vec_dot's bits; other types go row by row. With `gemm` (prompt passes), ggml's batched
+// interleaved weights, vec_dot for rows as stored. Several rows of Q4_K and Q4_0 (interleaved) and
+// Q6_K (as stored) share each block's unpacking in the op's own kernels, which give every row
+// gemv's or vec_dot's bits; other types go row by row. With `gemm` (prompt passes), ggml's batched
 // kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
 // for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
-// put back as stored for it from TILED_ROWS rows, and its gemm for the other interleaved types;
+// put back as stored for it from TILED_ROWS rows, and its gemm for IQ4_NL;
 // their rows round differently with where they fall in a pass. Without gemm, a row's result
 // never depends on the other rows, bit for bit.
 // A weight row is read once per tile of activation rows, and the weights' columns are split across
@@ -125,7 +125,7 @@ void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
 #if defined(__AVX2__)
 // Rows that share a pass share its weight reads: the kernels below unpack a block of weights once
 // for every activation row, and give each row exactly what ggml's one-row kernel gives it (Q4_K
-// interleaved: its gemv; Q6_K as stored: its vec_dot), bit for bit. Those compute the integer sums
+// and Q4_0 interleaved: its gemv; Q6_K as stored: its vec_dot), bit for bit. Those compute the integer sums
 // of each block exactly (no term can overflow), then accumulate them in f32 in a fixed order; the
 // integer sums are computed here another way (VNNI where the CPU has it) and the f32 steps are
 // theirs, in their order.
@@ -322,6 +322,88 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
     }
 }
 
+// A group of 8 interleaved Q4_0 weight rows by `rows` Q8_0 activation rows (`x_row` bytes apart),
+// into y (rows `y_row` floats apart): each row as ggml_gemv_q4_0_8x8_q8_0 computes it alone (per
+// block one fused multiply-add of the exact integer sum by the weight's and the activations'
+// scales). The repack stores each nibble as a signed 4-bit value (its code xor 8): here they are
+// sign-extended to bytes, the activations shifted by 128 to unsigned (their products' sums exact in
+// 32 bits) and 128 times each column's sum of weights, computed once for the rows, taken back off.
+void gemv_rows_q4_0(const block_q4_0x8* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+                    float* y, int64_t y_row) {
+    thread_local std::vector<__m256> scratch;
+    scratch.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
+    __m256* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
+    constexpr int64_t flip = static_cast<int64_t>(0x8080808080808080ULL);
+    const __m128i signed4 = _mm_set_epi8(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const auto row = [&](int64_t r, int64_t b) { return reinterpret_cast<const block_q8_0*>(x + r * x_row) + b; };
+    // 8 bytes of row r's block b from byte `at`, shifted to unsigned, in every 64 bits.
+    const auto eight = [&](int64_t r, int64_t b, int at) {
+        int64_t bytes;
+        std::memcpy(&bytes, row(r, b)->qs + at, sizeof(bytes));
+        return bytes ^ flip;
+    };
+    // Row r's integer sums (per 32-bit lane, two per column: columns 0-3 in `low`, 4-7 in `high`)
+    // into its f32 sums, in gemv's steps.
+    const auto finish = [&](int64_t r, int64_t b, __m256i low, __m256i high, __m256 dw) {
+        const __m256i by_column = _mm256_permute4x64_epi64(_mm256_hadd_epi32(low, high), 0xD8);
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(_cvtsh_ss(row(r, b)->d)));
+        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by_column), scale, sums[r]);
+    };
+    for (int64_t b = 0; b < blocks; ++b) {
+        const block_q4_0x8& g = w[b];
+        prefetch(w + b + AHEAD * 8, end);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g.d)));
+#ifdef VNNI_512
+        // v[k][h]: the values k*8..k*8+7 (h = 0) and 16+k*8.. (h = 1) of every column, 8 bytes each
+        const __m512i lut = _mm512_broadcast_i32x4(signed4), m15 = _mm512_set1_epi8(15);
+        __m512i v[2][2], wsum = _mm512_setzero_si512();
+        for (int k = 0; k < 2; ++k) {
+            const __m512i raw = _mm512_loadu_si512(g.qs + 64 * k);
+            v[k][0] = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, m15));
+            v[k][1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15));
+            for (int h = 0; h < 2; ++h)
+                wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), v[k][h]);
+        }
+        const __m512i shift = _mm512_slli_epi32(wsum, 7);
+        for (int64_t r = 0; r < rows; ++r) {
+            __m512i acc = _mm512_sub_epi32(_mm512_setzero_si512(), shift);
+            for (int k = 0; k < 2; ++k)
+                for (int h = 0; h < 2; ++h)
+                    acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi64(eight(r, b, 8 * k + 16 * h)), v[k][h]);
+            finish(r, b, _mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1), dw);
+        }
+#else
+        // v[k][h][c]: as above, columns 4c..4c+3
+        const __m256i lut = _mm256_broadcastsi128_si256(signed4), m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        __m256i v[2][2][2], shift[2];
+        for (int c = 0; c < 2; ++c) {
+            __m256i wsum = _mm256_setzero_si256();
+            for (int k = 0; k < 2; ++k) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.qs + 64 * k + 32 * c));
+                v[k][0][c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, m15));
+                v[k][1][c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15));
+                for (int h = 0; h < 2; ++h)
+                    wsum = dot4(wsum, one, v[k][h][c]);
+            }
+            shift[c] = _mm256_slli_epi32(wsum, 7);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            __m256i acc[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), shift[0]),
+                              _mm256_sub_epi32(_mm256_setzero_si256(), shift[1])};
+            for (int k = 0; k < 2; ++k)
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i act = _mm256_set1_epi64x(eight(r, b, 8 * k + 16 * h));
+                    for (int c = 0; c < 2; ++c)
+                        acc[c] = dot4(acc[c], act, v[k][h][c]);
+                }
+            finish(r, b, acc[0], acc[1], dw);
+        }
+#endif
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        _mm256_storeu_ps(y + r * y_row, sums[r]);
+}
+
 // One Q6_K weight row (as stored) by `rows` Q8_K activation rows, into y (rows `y_row` floats
 // apart): each as ggml_vec_dot_q6_K_q8_K computes it alone. Its lanes: lane j of each 32 bytes of
 // quants sums bytes 4j..4j+3 times the scale of their 16 (the first 16 bytes' scale in lanes 0-3),
@@ -487,10 +569,11 @@ struct Product {
 };
 
 // Whether p's rows go through the op's own multi-row kernels where a pass has several rows
-// without gemm (Q4_K interleaved, Q6_K as stored; on AVX2 and up).
+// (Q4_K and Q4_0 interleaved, Q6_K as stored; on AVX2 and up): with gemm too, but for Q4_K rows
+// put back as stored from TILED_ROWS rows.
 bool has_rows_kernel(const Product& p) {
 #if defined(__AVX2__)
-    return p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K;
+    return p.il ? p.type == GGML_TYPE_Q4_K || p.type == GGML_TYPE_Q4_0 : p.type == GGML_TYPE_Q6_K;
 #else
     return false;
 #endif
@@ -507,7 +590,9 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
             const uint8_t* w = p.w + col * p.w_row;
             const uint8_t* x = xq + r0 * p.x->row;
             float* y = p.y + r0 * p.n + col;
-            if (p.il)
+            if (p.type == GGML_TYPE_Q4_0)
+                gemv_rows_q4_0(reinterpret_cast<const block_q4_0x8*>(w), k / QK4_0, end, x, p.x->row, r1 - r0, y, p.n);
+            else if (p.il)
                 gemv_rows_q4_K(reinterpret_cast<const block_q4_Kx8*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
             else
                 vec_dot_rows_q6_K(reinterpret_cast<const block_q6_K*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
