@@ -135,21 +135,31 @@ void deinterleave_q4_K(const uint8_t* group, uint8_t* rows, int64_t blocks) {
 #define VNNI_512 1
 #endif
 
-// Per 32-bit lane, the sum of 4 products of unsigned bytes w and signed bytes a, added to acc.
-inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
+// Per 32-bit lane, partial sums of the products of unsigned bytes u and signed bytes s, added to
+// acc: with VNNI the lane's sum; without, its two 16-bit halves' (maddubs), added up by `scaled`
+// (a multiply-add fewer per 32 bytes). Exact while a lane's sum, and each half's, fits 16 bits.
+inline __m256i partial(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, w, a);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, w, a);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
 #endif
 }
 
-// acc + the low 16 bits of each lane of d (a value that fits them) times the lane's scale (16 bits,
-// the lane's high 16 zero).
-inline __m256i scaled(__m256i acc, __m256i d, __m256i scale) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(d, scale));
+// acc + each 32-bit lane's partial sums (`partial`) times the lane's scale, given in both 16-bit
+// halves of its lane.
+inline __m256i scaled(__m256i acc, __m256i part, __m256i scale) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    scale = _mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF));  // (the lane's high half: its sign)
+#endif
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(part, scale));
+}
+
+// Each 32-bit lane's low 16 bits in both halves.
+inline __m256i twice16(__m256i x) {
+    return _mm256_or_si256(x, _mm256_slli_epi32(x, 16));
 }
 
 // Q4_K's 12 bytes of 6-bit scales and mins as 8 bytes of each (as unpack_scales, in registers: a
@@ -297,20 +307,24 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
                     _mm256_store_si256(reinterpret_cast<__m256i*>(q[2 * l + 1][i] + 32 * h),
                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15)));
                 }
+        __m256i scale16[8][2];
+        for (int s = 0; s < 8; ++s)
+            for (int h = 0; h < 2; ++h)
+                scale16[s][h] = twice16(_mm256_load_si256(reinterpret_cast<const __m256i*>(scale[s] + 8 * h)));
         for (int64_t r = 0; r < rows; ++r) {
             const block_q8_K* a = row(r);
             __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int s = 0; s < 8; ++s) {
+            for (int s = 0; s < 8; ++s) {  // (a sub-block's partial sums fit 16 bits: 4 x 2 x 15 x 128)
                 __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int i = 0; i < 4; ++i) {
                     int64_t eight;
                     std::memcpy(&eight, a->qs + 32 * s + 8 * i, sizeof(eight));
                     const __m256i act = _mm256_set1_epi64x(eight);
                     for (int h = 0; h < 2; ++h)
-                        part[h] = dot4(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
+                        part[h] = partial(part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(q[s][i] + 32 * h)), act);
                 }
                 for (int h = 0; h < 2; ++h)
-                    isum[h] = scaled(isum[h], part[h], _mm256_load_si256(reinterpret_cast<const __m256i*>(scale[s] + 8 * h)));
+                    isum[h] = scaled(isum[h], part[h], scale16[s][h]);
             }
             finish(r, a, isum[0], isum[1]);
         }
@@ -374,7 +388,9 @@ void gemv_rows_q4_0(const block_q4_0x8* w, int64_t blocks, const void* end, cons
         }
 #else
         // v[k][h][c]: as above, columns 4c..4c+3
-        const __m256i lut = _mm256_broadcastsi128_si256(signed4), m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        // (a block's partial sums fit 16 bits: 4 x 2 x 255 x 8)
+        const __m256i lut = _mm256_broadcastsi128_si256(signed4), m15 = _mm256_set1_epi8(15);
+        const __m256i one = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
         __m256i v[2][2][2], shift[2];
         for (int c = 0; c < 2; ++c) {
             __m256i wsum = _mm256_setzero_si256();
@@ -383,20 +399,20 @@ void gemv_rows_q4_0(const block_q4_0x8* w, int64_t blocks, const void* end, cons
                 v[k][0][c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, m15));
                 v[k][1][c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15));
                 for (int h = 0; h < 2; ++h)
-                    wsum = dot4(wsum, one, v[k][h][c]);
+                    wsum = partial(wsum, one, v[k][h][c]);
             }
-            shift[c] = _mm256_slli_epi32(wsum, 7);
+            shift[c] = _mm256_slli_epi32(scaled(_mm256_setzero_si256(), wsum, ones), 7);
         }
         for (int64_t r = 0; r < rows; ++r) {
-            __m256i acc[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), shift[0]),
-                              _mm256_sub_epi32(_mm256_setzero_si256(), shift[1])};
+            __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int k = 0; k < 2; ++k)
                 for (int h = 0; h < 2; ++h) {
                     const __m256i act = _mm256_set1_epi64x(eight(r, b, 8 * k + 16 * h));
                     for (int c = 0; c < 2; ++c)
-                        acc[c] = dot4(acc[c], act, v[k][h][c]);
+                        part[c] = partial(part[c], act, v[k][h][c]);
                 }
-            finish(r, b, acc[0], acc[1], dw);
+            finish(r, b, _mm256_sub_epi32(scaled(_mm256_setzero_si256(), part[0], ones), shift[0]),
+                   _mm256_sub_epi32(scaled(_mm256_setzero_si256(), part[1], ones), shift[1]), dw);
         }
 #endif
     }
@@ -437,7 +453,11 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
         }
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
-#ifdef VNNI_512
+#ifndef VNNI_512
+        __m256i scale16[8];
+        for (int v = 0; v < 8; ++v)
+            scale16[v] = twice16(scale[v]);
+#else
         // Two runs of 32 values per register: lanes 8-15 hold the next run's, added to lanes 0-7
         // at the end (the integer sums are exact in any order).
         __m512i q2[4], scale2[4];
@@ -457,9 +477,9 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
             __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
 #else
             __m256i isum = _mm256_setzero_si256();
-            for (int v = 0; v < 8; ++v) {
+            for (int v = 0; v < 8; ++v) {  // (a lane's partial sums fit 16 bits: 2 x 63 x 128)
                 const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * v));
-                isum = scaled(isum, dot4(_mm256_setzero_si256(), q[v], act), scale[v]);
+                isum = scaled(isum, partial(_mm256_setzero_si256(), q[v], act), scale16[v]);
             }
 #endif
             const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums));
