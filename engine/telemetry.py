@@ -23,5 +23,5 @@ def decline_openvino_telemetry() -> bool:
         from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
     except ImportError:  # (no telemetry package: nothing to decline)
         return False
-    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED  # type: ignore[method-assign]
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
     return True

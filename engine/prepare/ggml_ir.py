@@ -27,7 +27,6 @@ from engine.prepare import disk, gguf_blocks, kernels, sources
 from engine.prepare.pipeline import PreparedModel, local_source, log
 from engine.prepare.sources import Kind
 
-
 # The 4-bit types kept as the file stores them in a 4-bit graph (the rest become Q4_0).
 FOUR_BIT = frozenset({gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q4_0})
 
