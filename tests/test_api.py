@@ -123,10 +123,11 @@ def test_an_image_part_gets_400_saying_only_text_is_read(client):
     assert "messages.0.content" in raised.value.body["message"]
 
 
-def test_models_and_health_describe_the_pair(client, served):
+def test_models_and_health_describe_the_pair(client, served, engine):
     assert [m.id for m in client.models.list()] == ["tiny"]
     health = httpx.get(f"{served}health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "models": MODELS, "queue": 0, "replicas": 1}
+    running = {role: spec | {"running": engine.models[role]} for role, spec in MODELS.items()}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": running, "queue": 0, "replicas": 1}
 
 
 def test_an_unhealthy_engine_answers_503(client, served, monkeypatch):

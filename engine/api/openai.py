@@ -152,7 +152,12 @@ def build_router(
 
     @router.get("/health")
     def health() -> JSONResponse:
-        body = {"status": engine.state, "models": models, "queue": engine.pending, "replicas": engine.replicas}
+        # (each role's model as running, once loaded: its kernels, e.g. "... · gguf · ggml kernels")
+        running = engine.models
+        described = {
+            role: spec | ({"running": running[role]} if role in running else {}) for role, spec in models.items()
+        }
+        body = {"status": engine.state, "models": described, "queue": engine.pending, "replicas": engine.replicas}
         return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @router.get("/v1/models")
