@@ -95,6 +95,15 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
     np.testing.assert_array_equal(compiled(library, rows, kind, threads=1)({0: x})[0], alone)
 
 
+def test_a_row_through_the_ops_own_kernel_is_ggmls_own_bit_for_bit(library):
+    """A Q6_K row (as stored) through the op's kernel, and through ggml's own mul_mat (a prompt
+    pass's way, its vec_dot for one row)."""
+    rows = random_rows(Q.Q6_K, N, K, seed=5)
+    x = np.random.default_rng(6).standard_normal((1, K)).astype(np.float32)
+    ours, ggmls = (compiled(library, rows, Q.Q6_K, gemm=gemm)({0: x})[0] for gemm in (False, True))
+    np.testing.assert_array_equal(ours, ggmls)
+
+
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0])
 def test_rows_of_a_type_with_interleaved_kernels_are_interleaved_and_multiply_alike(library, kind):
     """ggml's gemv on the rows interleaved computes what its vec_dot computes on them as stored,

@@ -13,10 +13,10 @@
 // the file stores them. Outputs: f32 [..., N_i].
 //
 // Activation rows are quantized once per dot type (Q8_K for the K-quants, Q8_0 for the legacy
-// ones), as llama.cpp does. One activation row goes through ggml's own one-row kernels: gemv for
-// interleaved weights, vec_dot for rows as stored. Several rows of Q4_K and Q4_0 (interleaved) and
-// Q6_K (as stored) share each block's unpacking in the op's own kernels, which give every row
-// gemv's or vec_dot's bits; other types go row by row. With `gemm` (prompt passes), ggml's batched
+// ones), as llama.cpp does. Rows of Q4_K and Q4_0 (interleaved) and Q6_K (as stored) go through
+// the op's own kernels, which share each block's unpacking among a pass's rows and give every row
+// what ggml's one-row kernel gives it (gemv for interleaved weights, vec_dot for rows as stored),
+// bit for bit; other types go row by row through those. With `gemm` (prompt passes), ggml's batched
 // kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
 // for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
 // put back as stored for it from TILED_ROWS rows, and its gemm for IQ4_NL;
@@ -603,7 +603,10 @@ bool has_rows_kernel(const Product& p) {
 void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t first, int64_t last) {
     const uint8_t* xq = p.x->data.data();
 #if defined(__AVX2__)
-    if (r1 - r0 > 1 && !p.gemm && has_rows_kernel(p)) {
+    // (a single row too: its bits are gemv's and vec_dot's, and the kernels prefetch their blocks
+    // ahead, which took a plain step from 28.3-28.9 to 26.0-27.7 ms where the VM's memory ran
+    // slower and left it within noise where it ran fast)
+    if (!p.gemm && has_rows_kernel(p)) {
         const int64_t blocks = k / QK_K;
         const uint8_t* end = p.w + last * p.w_row;
         for (int64_t col = first; col < last; col += p.unit()) {
