@@ -303,6 +303,8 @@ def test_rows_in_four_bits_are_within_a_q4_0_step_of_the_files():
     assert (error <= 1.01 * step).all() and (error <= step / 2 + 1e-6).mean() >= 0.99
     q4_k = random_rows(Q.Q4_K, N, K, seed=22)
     assert ggml_ir.in_four_bits(q4_k, int(Q.Q4_K))[0] is q4_k
+    f16 = random_rows(Q.F16, N, 48, seed=23)  # (48 values a row: no whole Q4_0 blocks)
+    assert ggml_ir.in_four_bits(f16, int(Q.F16))[0] is f16
 
 
 def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):

@@ -35,8 +35,8 @@ def in_four_bits(rows: np.ndarray, kind: int) -> tuple[np.ndarray, int]:
     """GGUF rows (u8 [N, bytes per row]) of ``kind`` in 4-bit blocks: as they are where the type is
     one of :data:`FOUR_BIT` (or its rows do not come in Q4_0 blocks), else requantized to Q4_0."""
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)][0] * rows.shape[1]
-    if kind in FOUR_BIT or values % gguf.GGML_QUANT_SIZES[q4_0][0]:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+    if kind in FOUR_BIT or rows.shape[1] // size * block % gguf.GGML_QUANT_SIZES[q4_0][0]:
         return rows, kind
     weights = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(kind)).astype(np.float32)
     return gguf.quants.quantize(weights, q4_0).view(np.uint8), int(q4_0)
