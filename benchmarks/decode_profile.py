@@ -111,7 +111,7 @@ def ir_weight_bytes(ir_dir: Path, library: Path | None = None) -> int:
     constants = {op.get_name(): op.get_byte_size() for op in model.get_ops() if op.get_type_name() == "Constant"}
     gathers = [op for op in model.get_ops() if op.get_type_name() == "Gather" and _reads_input_ids(op.input_value(1))]
     embedding = {name for g in gathers for name in _constants_under(g.input_value(0).get_node())}
-    embedding -= set(_constants_under(graph.lm_head(model).input_value(1).get_node()))  # its weights
+    embedding -= set(_constants_under(graph.head_weight(model).get_source_output().get_node()))  # its weights
     return sum(size for name, size in constants.items() if name not in embedding)
 
 

@@ -15,6 +15,10 @@ from openvino import opset13 as ops
 from openvino.utils.node_factory import NodeFactory
 
 GGML_LINEAR = "GgmlLinear"
+# The op's first weight input (after x and its gemm flag); one input per weight from there.
+FIRST_WEIGHT = 2
+# Rows ggml's interleaved kernels group together: a weight stored so is cut only at a group's end.
+INTERLEAVE = 8
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
 # (Its third form: weights with interleaved kernels keep their rows interleaved, and an int4
 # model's rows are 4-bit blocks. A cache holding an earlier form writes this one and drops that.)

@@ -610,6 +610,23 @@ AVX2_MEASURED = PassCosts(step=0.072, verify=((5, 0.184),), draft=0.035, k=4)
 HOPELESS = PassCosts(1.0, ((5, 6.0),), 0.5, 4)  # a verify pass dearer than K + 1 plain steps
 
 
+@pytest.mark.parametrize(
+    ("readings", "kept", "taken"),
+    [
+        ((AVX512,), AVX512, 1),  # the draft model may run: one reading
+        ((AVX2_MEASURED, AVX512), AVX512, 2),  # a busy moment priced it off: the second kept
+        ((HOPELESS, AVX2_MEASURED), AVX2_MEASURED, 2),  # off either way: the cheaper kept
+    ],
+)
+def test_a_reading_that_would_keep_the_draft_model_off_is_taken_again(monkeypatch, readings, kept, taken):
+    """One reading on a machine that may be busy does not turn the draft model off for a server's
+    life: a second is taken, and the reading that prices a round lower kept."""
+    queue = list(readings)
+    monkeypatch.setattr(PassCosts, "measure", classmethod(lambda cls, *args: queue.pop(0)))
+    assert PassCosts.read(None, None, 4) is kept  # type: ignore[arg-type]
+    assert len(readings) - len(queue) == taken
+
+
 def test_a_lookup_copy_is_cut_to_what_its_verify_pass_pays_on_the_machine():
     """Where each extra verify row costs a third of a step, a 16-token copy is worth verifying whole
     only where copies always land, partly where they often do, not at all where they seldom do;

@@ -316,6 +316,16 @@ def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library
     assert (ours.argmax(-1) == plugin.argmax(-1)).mean() >= 0.9
 
 
+def test_a_reduced_draft_head_on_ggml_kernels_gives_the_first_ids_logits_unchanged(gguf_draft, library):
+    """``vocab_limit`` cuts the op's head to whole groups of 8 interleaved rows; each id's logit is
+    computed alone, so the ids kept get the full head's, bit for bit."""
+    full = Runtime(gguf_draft, config=EXACT_CONFIG, kernels=library)
+    small = Runtime(gguf_draft, config=EXACT_CONFIG, kernels=library, vocab_limit=101)
+    assert small.vocab_size == 96
+    rows = len(TOKENS)
+    np.testing.assert_array_equal(small.forward(TOKENS, rows=rows), full.forward(TOKENS, rows=rows)[:, :96])
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_autoregressive_on_ggml_kernels(gguf_target, library, pair, tok, k):
     """A row's result does not depend on the pass's width, so verifying K drafts computes what K

@@ -11,7 +11,7 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
-from engine.ggml import GGML_LINEAR
+from engine.ggml import FIRST_WEIGHT, GGML_LINEAR, INTERLEAVE
 
 
 def slice_logits(model: ov.Model) -> None:
@@ -32,39 +32,47 @@ def slice_logits(model: ov.Model) -> None:
 
 def lm_head(model: ov.Model) -> ov.Node:
     """The vocabulary projection: a MatMul, or ggml's GgmlLinear (engine.ggml); its input 0
-    is the hidden state, its input 1 the weight."""
+    is the hidden state (:func:`head_weight`: its weight)."""
     node = model.output("logits").get_node().input_value(0).get_node()
     while node.get_type_name() not in ("MatMul", GGML_LINEAR):
         node = node.input_value(0).get_node()
     return node
 
 
+def head_weight(model: ov.Model) -> ov.Input:
+    """The vocabulary projection's weight input: a MatMul's second, GgmlLinear's first weight
+    (its rows in their GGUF blocks)."""
+    head = lm_head(model)
+    return head.input(FIRST_WEIGHT if head.get_type_name() == GGML_LINEAR else 1)
+
+
 def shrink_vocabulary(model: ov.Model, rows: int) -> None:
-    """Keep only the first ``rows`` rows of the vocabulary projection (FR-Spec style).
+    """Keep only the first ``rows`` rows of the vocabulary projection (FR-Spec style); on ggml's
+    kernels, whole groups of interleaved rows (``rows`` rounded down to a multiple of 8).
 
     BPE ids are ordered by merge rank, which follows frequency, so a prefix of the
     vocabulary is a frequency-ranked subset that keeps every id unchanged. The
     compressed weight constants (and their scales / zero points) are sliced in place,
     so the bytes read per token shrink with the rows.
     """
-    matmul = lm_head(model)
-    vocab = matmul.input_value(1).get_partial_shape()[0].get_length()
-    pending = [matmul.input_value(1).get_node()]
+    vocab = vocabulary_rows(model)
+    if lm_head(model).get_type_name() == GGML_LINEAR:
+        rows -= rows % INTERLEAVE
+    pending = [head_weight(model)]
     while pending:
-        node = pending.pop()
-        for port in node.inputs():
-            source = port.get_source_output().get_node()
-            if source.get_type_name() != "Constant":
-                pending.append(source)
-                continue
-            shape, kind = list(source.get_output_shape(0)), source.get_output_element_type(0)
-            if node.get_type_name() == "Reshape" and port.get_index() == 1:
-                sliced = ops.constant(np.where(source.get_data() == vocab, rows, source.get_data()), kind)
-            elif shape and shape[0] == vocab:
-                sliced = _first_rows(source, rows)
-            else:
-                continue
-            port.replace_source_output(sliced.output(0))
+        port = pending.pop()
+        node, source = port.get_node(), port.get_source_output().get_node()
+        if source.get_type_name() != "Constant":
+            pending.extend(source.inputs())
+            continue
+        shape, kind = list(source.get_output_shape(0)), source.get_output_element_type(0)
+        if node.get_type_name() == "Reshape" and port.get_index() == 1:
+            sliced = ops.constant(np.where(source.get_data() == vocab, rows, source.get_data()), kind)
+        elif shape and shape[0] == vocab:
+            sliced = _first_rows(source, rows)
+        else:
+            continue
+        port.replace_source_output(sliced.output(0))
     model.validate_nodes_and_infer_types()
 
 
@@ -85,4 +93,4 @@ def _first_rows(constant: ov.Node, rows: int) -> ov.Node:
 
 def vocabulary_rows(model: ov.Model) -> int:
     """Rows of the model's vocabulary projection."""
-    return lm_head(model).input_value(1).get_partial_shape()[0].get_length()
+    return head_weight(model).get_partial_shape()[0].get_length()

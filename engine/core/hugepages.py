@@ -19,12 +19,11 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
-from engine.ggml import GGML_LINEAR
+from engine.ggml import FIRST_WEIGHT, GGML_LINEAR
 
 HUGE_PAGE = 2 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 OP = GGML_LINEAR
-WEIGHTS = 2  # the op's first weight input (after x and the gemm flag: engine.ggml)
 
 
 def available() -> bool:
@@ -79,7 +78,7 @@ def move_weights(model: ov.Model) -> mmap.mmap | None:
     constants: dict[str, ov.Node] = {}
     for node in model.get_ordered_ops():
         if node.get_type_name() == OP:
-            for port in list(node.inputs())[WEIGHTS:]:
+            for port in list(node.inputs())[FIRST_WEIGHT:]:
                 constant = port.get_source_output().get_node()
                 constants[constant.get_friendly_name()] = constant
                 ports.setdefault(constant.get_friendly_name(), []).append(port)

@@ -150,7 +150,7 @@ class Engine:
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
         if pacing is None and self.draft is not None:
-            pacing = Pacing(PassCosts.measure(self.target, self.draft, BEST_K, COPY_WIDTHS))
+            pacing = Pacing(PassCosts.read(self.target, self.draft, BEST_K, COPY_WIDTHS))
             log.info("pass costs: %s", pacing.costs.describe())  # type: ignore[union-attr]
         self.pacing = pacing or Pacing()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
