@@ -371,7 +371,7 @@ def weight_addresses(model: ov.Model) -> list[int]:
         port.get_source_output().get_node().get_data().ctypes.data
         for node in model.get_ordered_ops()
         if node.get_type_name() == hugepages.OP
-        for port in list(node.inputs())[hugepages.WEIGHTS :]
+        for port in list(node.inputs())[ggml.FIRST_WEIGHT :]
     ]
 
 
