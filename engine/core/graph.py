@@ -55,10 +55,11 @@ def shrink_vocabulary(model: ov.Model, rows: int) -> None:
     compressed weight constants (and their scales / zero points) are sliced in place,
     so the bytes read per token shrink with the rows.
     """
-    vocab = vocabulary_rows(model)
-    if lm_head(model).get_type_name() == GGML_LINEAR:
+    weight = head_weight(model)
+    vocab = weight.get_partial_shape()[0].get_length()
+    if weight.get_node().get_type_name() == GGML_LINEAR:
         rows -= rows % INTERLEAVE
-    pending = [head_weight(model)]
+    pending = [weight]
     while pending:
         port = pending.pop()
         node, source = port.get_node(), port.get_source_output().get_node()
