@@ -89,7 +89,7 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
     x = np.random.default_rng(4).standard_normal((70, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, 70)[:, None]
     model = compiled(library, rows, kind)
     alone = np.concatenate([model({0: x[i : i + 1]})[0] for i in range(len(x))])
-    for width in (2, 5, 17, 70):
+    for width in (2, 5, 8, 17, 70):
         together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
         np.testing.assert_array_equal(together, alone)
     np.testing.assert_array_equal(compiled(library, rows, kind, threads=1)({0: x})[0], alone)
