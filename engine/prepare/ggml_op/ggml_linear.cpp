@@ -198,10 +198,11 @@ inline float sum8(__m256 x) {
 }
 
 #ifdef VNNI_512
-// At most this many activation rows' sums are kept in registers at once (8 x 3 accumulators):
-// a pass's rows go in tiles of equal size, so a 5-row verify unpacks each block once rather than
-// for a tile of 4 and again for 1 (a target pass of 5 tokens 42.6 against 44.3 ms, AVX-512 AMD VM).
-constexpr int ROW_TILE = 8;
+// Activation rows whose Q4_K sums are kept in registers at once: a pass's rows go four at a
+// time, and a last row left alone joins the tile before it, so a 5-row verify unpacks each block
+// once rather than for a tile of 4 and again for 1 (a target pass of 5 tokens 42.7 against 44.4
+// ms, AVX-512 AMD VM). Tiles of up to 8 for every width were slower at 9 and 17 rows.
+constexpr int ROW_TILE = 4;
 
 // The integer sums of one block of 8 interleaved Q4_K columns by T activation rows `a`: per row,
 // each sub-block's sums times its scales, lanes 2c and 2c+1 holding column c's. Each 64 bytes of
@@ -286,17 +287,13 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
         };
         const auto row = [&](int64_t r) { return reinterpret_cast<const block_q8_K*>(x + r * x_row) + b; };
 #ifdef VNNI_512
-        const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE, size = (rows + tiles - 1) / tiles;
-        for (int64_t r0 = 0; r0 < rows; r0 += size) {
-            const int tile = static_cast<int>(std::min<int64_t>(size, rows - r0));
-            const block_q8_K* a[ROW_TILE];
+        for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += tile) {
+            tile = rows - r0 == ROW_TILE + 1 ? ROW_TILE + 1 : std::min<int64_t>(ROW_TILE, rows - r0);
+            const block_q8_K* a[ROW_TILE + 1];
             for (int t = 0; t < tile; ++t)
                 a[t] = row(r0 + t);
-            __m512i wide[ROW_TILE];
+            __m512i wide[ROW_TILE + 1];
             switch (tile) {
-            case 8: q4_K_block_sums<8>(g, scale, a, wide); break;
-            case 7: q4_K_block_sums<7>(g, scale, a, wide); break;
-            case 6: q4_K_block_sums<6>(g, scale, a, wide); break;
             case 5: q4_K_block_sums<5>(g, scale, a, wide); break;
             case 4: q4_K_block_sums<4>(g, scale, a, wide); break;
             case 3: q4_K_block_sums<3>(g, scale, a, wide); break;
