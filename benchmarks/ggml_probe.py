@@ -1,9 +1,10 @@
 """One layer seven ways, in one run: the GgmlLinear op inside an OpenVINO graph (interleaved rows
 as decoding and verifying run them: ggml's gemv at one row, the op's own kernel with gemv's bits
 over several), its batched kernels as the prompt reader runs them on interleaved rows
-and on rows as stored, ggml's vec_dot row by row on the rows as stored; its weights on huge pages), the
-plugin's compressed FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat,
-plain and on repacked weights as llama.cpp runs it, at 1, 5 and 64 rows.
+and on rows as stored (the AMX tiles in bf16 from 32 rows where the CPU has them), ggml's vec_dot
+row by row on the rows as stored; its weights on huge pages), the plugin's compressed
+FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat, plain and on repacked
+weights as llama.cpp runs it, at 1, 5, 64 and 256 rows.
 
     python -m benchmarks.ggml_probe [--layers 56] [--reps 20] [--json OUT] [--table OUT]
 
@@ -11,8 +12,8 @@ The weights are the default target's own ffn_up and ffn_gate (1536 -> 8960, Q4_K
 enough layers that they come from DRAM as in a decode step (their bytes against the L3 cache are
 printed). Each way computes all the layers one after another on as many threads as the machine has
 cores; the time per layer is that over the layer count, the best of ``--reps``; "in 1-row calls"
-is a pass's time over its 1-row time. The op's rows are checked against ggml's bit for bit and
-the plugin's within its rounding.
+is a pass's time over its 1-row time. The op's rows are checked against ggml's bit for bit (on
+the AMX tiles, within bf16's rounding) and the plugin's within its rounding.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ from engine.prepare.embedded import DEFAULT_TARGET
 from engine.prepare.pipeline import cache_dir_from_args, log
 from engine.report import Column, markdown_table
 
-ROWS = (1, 5, 64)
+ROWS = (1, 5, 64, 256)
 OP = "GgmlLinear op: interleaved rows, each a one-row gemv's bits (decoding, verifying)"
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
 OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
 TILED_ROWS = 256  # from this many rows the op puts interleaved rows back as stored (ggml_linear.cpp)
+TILE_ROWS = 32  # from this many rows a batched pass goes through the AMX tiles where the CPU has them (the same)
 PLUGIN = "plugin compressed FC (gguf form)"
 GGML = "ggml mul_mat"
 GGML_REPACKED = "ggml mul_mat, repacked (llama.cpp's default)"
@@ -178,6 +180,7 @@ def probe(args: argparse.Namespace) -> None:
         PLUGIN: core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
     }
     probe_library = ggml_library(library)
+    tiles = ggml.prompt_tiles(library)
     rng = np.random.default_rng(0)
     rows: dict[str, dict] = {name: {"kernel": name} for name in [*compiled, GGML, GGML_REPACKED]}
     checks: dict[str, bool | float] = {}
@@ -194,16 +197,22 @@ def probe(args: argparse.Namespace) -> None:
         checks[f"{m} rows: op == ggml repacked (its gemv below 4 rows, its gemm from 4), bit for bit"] = bool(
             np.array_equal(out[OP], out[GGML_REPACKED])
         )
-        # (below TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's bits;
-        # from there ggml's tiled mul_mat)
-        gemm_peer = OP if m < TILED_ROWS else GGML
-        checks[f"{m} rows: op's batched kernels on interleaved rows == {gemm_peer}, bit for bit"] = bool(
-            np.array_equal(out[OP_GEMM], out[gemm_peer])
-        )
         checks[f"{m} rows: op on rows as stored == ggml, bit for bit"] = bool(np.array_equal(out[OP_STORED], out[GGML]))
-        checks[f"{m} rows: op's batched kernels on rows as stored == ggml, bit for bit"] = bool(
-            np.array_equal(out[OP_STORED_BATCHED], out[GGML])
-        )
+        if tiles and m >= TILE_ROWS:  # (bf16 inputs: within their rounding, not ggml's bits)
+            for name in (OP_GEMM, OP_STORED_BATCHED):
+                checks[
+                    f"{m} rows: {name} on the AMX tiles against ggml, largest difference relative to the largest output"
+                ] = float(np.abs(out[name] - out[GGML]).max() / np.abs(out[GGML]).max())
+        else:
+            # (below TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's
+            # bits; from there ggml's tiled mul_mat)
+            gemm_peer = OP if m < TILED_ROWS else GGML
+            checks[f"{m} rows: op's batched kernels on interleaved rows == {gemm_peer}, bit for bit"] = bool(
+                np.array_equal(out[OP_GEMM], out[gemm_peer])
+            )
+            checks[f"{m} rows: op's batched kernels on rows as stored == ggml, bit for bit"] = bool(
+                np.array_equal(out[OP_STORED_BATCHED], out[GGML])
+            )
         checks[f"{m} rows: op against the plugin, largest difference relative to the largest output"] = float(
             np.abs(out[OP] - out[PLUGIN]).max() / np.abs(out[PLUGIN]).max()
         )

@@ -53,6 +53,12 @@ def _native(library: Path) -> ctypes.CDLL:
     return native
 
 
+def prompt_tiles(library: Path) -> bool:
+    """Whether the op multiplies a prompt pass's rows (32 or more) through the CPU's AMX tiles in
+    bf16 here, rather than by ggml's batched kernels (docs/design.md, "The GGUF's own kernels")."""
+    return bool(_native(library).specchat_prompt_tiles())
+
+
 def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray | None:
     """``rows`` (u8 [N, bytes per row]) interleaved as ggml's gemm and gemv read them (its CPU
     "repack" layout), or None where ggml has no such kernels for the type or shape on this CPU."""
@@ -75,10 +81,11 @@ def linears(
     """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
     in one node (the activations quantized once): multiplied by ggml's gemv on the rows
     interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
-    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies by ggml's batched kernels
-    instead (its gemm on interleaved rows, its own mul_mat on rows as stored, and on interleaved
-    Q4_K rows put back as stored from 32 rows on), faster over many rows, but a row then rounds
-    with where it falls in its pass: for a prompt's passes (:data:`GEMM_INPUT`)."""
+    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies by batched kernels instead,
+    faster over many rows, but a row then rounds with where it falls in its pass: for a prompt's
+    passes (:data:`GEMM_INPUT`). Those are the AMX tiles in bf16 from 32 rows where the CPU has
+    them (:func:`prompt_tiles`), else ggml's (its gemm on interleaved rows, its own mul_mat on rows
+    as stored, and on interleaved Q4_K rows put back as stored from 256 rows on)."""
     flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
     inputs, types, interleaved_flags = [x, flag], [], []
     for rows, ggml_type in weights:

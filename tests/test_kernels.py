@@ -128,7 +128,8 @@ def test_a_type_without_interleaved_kernels_keeps_its_rows(library, kind):
 def test_gemm_reads_many_rows_as_a_row_alone_does_within_rounding(library, kind, interleave):
     """Over more rows than a tile, and a last four left incomplete: every row is computed, and
     without gemm each is the row alone, bit for bit. With gemm, interleaved rows go through ggml's
-    gemm, rows as stored through its own mul_mat (its tiled kernels for the K-quants)."""
+    gemm, rows as stored through its own mul_mat (its tiled kernels for the K-quants); where the
+    CPU has AMX, through the tiles in bf16 (the next test)."""
     rows = random_rows(kind, N, K, seed=14)
     x = np.random.default_rng(15).standard_normal((150, K)).astype(np.float32)
     plain = compiled(library, rows, kind, interleave=interleave)
@@ -136,22 +137,57 @@ def test_gemm_reads_many_rows_as_a_row_alone_does_within_rounding(library, kind,
     for i in (0, 63, 64, 149):
         np.testing.assert_array_equal(alone[i : i + 1], plain({0: x[i : i + 1]})[0])
     batched = compiled(library, rows, kind, interleave=interleave, gemm=True)({0: x})[0]
-    np.testing.assert_allclose(batched, alone, atol=1e-5 * np.abs(alone).max())
+    rounding = 2e-2 if ggml.prompt_tiles(library) else 1e-5  # (bf16 inputs against 8-bit activations)
+    np.testing.assert_allclose(batched, alone, atol=rounding * np.abs(alone).max())
+
+
+def bf16(values: np.ndarray) -> np.ndarray:
+    """f32 values rounded to bf16 (to nearest, ties to even), as f64."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return rounded.view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize(
+    ("kind", "interleave"), [(Q.Q4_K, True), (Q.Q4_K, False), (Q.Q6_K, False), (Q.Q8_0, False), (Q.Q5_K, False)]
+)
+def test_a_prompt_pass_on_the_amx_tiles_is_the_weights_product_in_bf16(library, kind, interleave):
+    """Where the CPU has AMX, a prompt pass of 32 rows or more multiplies the weights and the
+    activations rounded to bf16, with f32 sums: the product of the rounded values up to the sums'
+    rounding, whatever the row and column counts (here neither a whole number of tiles), and
+    nearer the exact product than the rows' own kernels with their 8-bit activations. Below 32
+    rows a pass keeps ggml's kernels."""
+    if not ggml.prompt_tiles(library):
+        pytest.skip("no AMX bf16 tiles on this CPU")
+    rows = random_rows(kind, N, K, seed=17)
+    weights = gguf.quants.dequantize(rows, kind).reshape(N, K)
+    batched = compiled(library, rows, kind, interleave=interleave, gemm=True)
+    for m in (31, 32, 150):
+        x = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
+        exact = x.astype(np.float64) @ weights.astype(np.float64).T
+        ours, rows_alone = batched({0: x})[0], compiled(library, rows, kind, interleave=interleave)({0: x})[0]
+        if m < 32:
+            assert not np.allclose(ours, bf16(x) @ bf16(weights).T, rtol=0, atol=1e-6 * np.abs(exact).max())
+            continue
+        np.testing.assert_allclose(ours, bf16(x) @ bf16(weights).T, rtol=0, atol=1e-4 * np.abs(exact).max())
+        assert np.sqrt(np.mean((ours - exact) ** 2)) < 0.6 * np.sqrt(np.mean((rows_alone - exact) ** 2))
 
 
 def test_a_long_prompt_pass_puts_interleaved_rows_back_as_the_file_stores_them(library):
     """From 256 rows a prompt pass multiplies interleaved Q4_K rows by ggml's tiled kernels, after
     putting them back as stored: bit for bit what the rows as stored give (every 6-bit scale and
     min, and every quant, back in its place); below that, the op's own multi-row kernel, each
-    row as it is alone."""
+    row as it is alone. On the AMX tiles (from 32 rows), interleaved rows are read in place, and
+    give what the rows as stored give, bit for bit."""
     rows = random_rows(Q.Q4_K, N, K, seed=16)
     alone = compiled(library, rows, Q.Q4_K)
-    for m in (255, 256, 300):
+    tiles = ggml.prompt_tiles(library)
+    for m in (31, 255, 256, 300):
         x = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
         as_stored = compiled(library, rows, Q.Q4_K, interleave=False, gemm=True)({0: x})[0]
         interleaved = compiled(library, rows, Q.Q4_K, gemm=True)({0: x})[0]
-        assert np.array_equal(interleaved, as_stored) == (m >= 256)
-        assert np.array_equal(interleaved, alone({0: x})[0]) == (m < 256)
+        assert np.array_equal(interleaved, as_stored) == (m >= 256 or (tiles and m >= 32))
+        assert np.array_equal(interleaved, alone({0: x})[0]) == (m < 256 and not (tiles and m >= 32))
         np.testing.assert_allclose(interleaved, as_stored, atol=1e-5 * np.abs(as_stored).max())
 
 
@@ -226,9 +262,10 @@ def test_auto_times_readers_on_both_kernels_and_the_short_run_they_read(gguf_tar
     target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     with caplog.at_level(logging.INFO, logger="specchat.reader"):
         chosen = fastest_reader(target)
-    for label in ("the target's own passes, ggml's batched kernels", "f32 · ggml kernels", "f32"):
+    for label in (GemmReader(library).label, "f32 · ggml kernels", "f32"):
         assert f"prompt reader {label}:" in caplog.text
-    assert chosen is None or chosen.shortest == (SHORT_RUN if "ggml" in chosen.label else SHORTEST_RUN)
+    on_ggml = isinstance(chosen, GemmReader) or (chosen is not None and "ggml" in chosen.label)
+    assert chosen is None or chosen.shortest == (SHORT_RUN if on_ggml else SHORTEST_RUN)
     assert not target.tokens
 
 
@@ -237,7 +274,7 @@ def test_the_targets_own_passes_with_gemm_read_as_its_plain_passes_would(gguf_ta
     expected = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library).forward(prompt)
     read = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     for part in read_plan(len(prompt) - 1, width=16):
-        GemmReader().read(read, prompt[: part.stop], part)
+        GemmReader(library).read(read, prompt[: part.stop], part)
     assert read.tokens == prompt[:-1] and read.origins[16] == ReadPass(16, 32, ReadPath.READER)
     np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
 

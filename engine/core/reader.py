@@ -32,6 +32,7 @@ import numpy as np
 import openvino as ov
 from openvino._offline_transformations import stateful_to_stateless_transformation
 
+from engine import ggml
 from engine.core import graph
 from engine.core.reading import READ_PASS, SHORTEST_RUN, ReadPass, ReadPath
 from engine.core.runtime import Runtime
@@ -97,11 +98,13 @@ class GemmReader(PromptReader):
     no second model, no copy of the weights or of the cache. Its attention is the target's
     (row by row over a past, slower the longer the context than a stateless reader's)."""
 
-    label = "the target's own passes, ggml's batched kernels"
     resident_per_read_byte = 0  # (its passes grow the process as the target's own do)
 
-    def __init__(self) -> None:
+    def __init__(self, library: Path) -> None:
+        """``library``: the op's, which multiplies a prompt pass through the AMX tiles where the CPU has them."""
         super().__init__(on_ggml=True)
+        kernels = "the AMX tiles in bf16" if ggml.prompt_tiles(library) else "ggml's batched kernels"
+        self.label = f"the target's own passes, {kernels}"
 
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
         past = len(runtime.tokens)
@@ -195,9 +198,9 @@ def fastest_reader(
         return seconds
 
     def candidates() -> Iterator[PromptReader]:
-        on_ggml = target.model is not None
-        if on_ggml:
-            yield GemmReader()
+        on_ggml = target.library is not None
+        if target.library is not None:
+            yield GemmReader(target.library)
         for precision, on in itertools.product(precisions(core), [None] * plugin + [target] * (on_ggml and stateless)):
             yield Reader(target.ir_dir, target.config, precision, core, on)
 

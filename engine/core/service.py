@@ -198,9 +198,13 @@ class Engine:
             return None
         if choice == "auto":
             return fastest_reader(self.target, plugin=plugin, stateless=stateless)
-        if choice == "gemm" and self.target.model is None:
-            raise EngineError("the prompt reader 'gemm' reads on ggml's kernels: the target runs the plugin's")
-        reader = GemmReader() if choice == "gemm" else Reader(self.target.ir_dir, self.target.config, choice)
+        reader: PromptReader
+        if choice == "gemm":
+            if self.target.library is None:
+                raise EngineError("the prompt reader 'gemm' reads on ggml's kernels: the target runs the plugin's")
+            reader = GemmReader(self.target.library)
+        else:
+            reader = Reader(self.target.ir_dir, self.target.config, choice)
         reader.warm_up(self.target)
         return reader
 

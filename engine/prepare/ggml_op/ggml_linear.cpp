@@ -36,6 +36,11 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -427,6 +432,23 @@ void gemv_rows_q4_0(const block_q4_0x8* w, int64_t blocks, const void* end, cons
         _mm256_storeu_ps(y + r * y_row, sums[r]);
 }
 
+// A Q6_K block's quants of values 32v..32v+31 in q[v], as unsigned bytes (0..63: ggml's less 32).
+inline void q6_K_quants(const block_q6_K& blk, __m256i* q) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int j = 0; j < 2; ++j) {
+        const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j));
+        const __m256i lo2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j + 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * j));
+        q[4 * j] = _mm256_or_si256(_mm256_and_si256(lo1, m15), _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
+        q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(lo2, m15),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), m3), 4));
+        q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m15),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m3), 4));
+        q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), m15),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), m3), 4));
+    }
+}
+
 // One Q6_K weight row (as stored) by `rows` Q8_K activation rows, into y (rows `y_row` floats
 // apart): each as ggml_vec_dot_q6_K_q8_K computes it alone. Its lanes: lane j of each 32 bytes of
 // quants sums bytes 4j..4j+3 times the scale of their 16 (the first 16 bytes' scale in lanes 0-3),
@@ -436,23 +458,11 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
     thread_local std::vector<__m256> scratch;
     scratch.assign(static_cast<size_t>(rows), _mm256_setzero_ps());
     __m256* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q6_K& blk = w[b];
         prefetch(w + b + AHEAD * 4, end);
         __m256i q[8], scale[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
-        for (int j = 0; j < 2; ++j) {
-            const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j));
-            const __m256i lo2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * j + 32));
-            const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * j));
-            q[4 * j] = _mm256_or_si256(_mm256_and_si256(lo1, m15), _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
-            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(lo2, m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), m3), 4));
-            q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m3), 4));
-            q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo2, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), m3), 4));
-        }
+        q6_K_quants(blk, q);
         const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
         for (int v = 0; v < 8; ++v) {  // scale 2v four times, then 2v+1 four times
             const __m128i pick = _mm_set1_epi64x(0x0101010100000000LL + 0x0202020202020202LL * v);
@@ -498,6 +508,116 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
     for (int64_t r = 0; r < rows; ++r)
         y[r * y_row] = sum8(sums[r]);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)
+#define AMX_TILES 1
+// Prompt passes on AMX: activations and weights in bf16, multiplied by the CPU's tile unit
+// (`tdpbf16ps`) with f32 sums. A weight is dequantized once per pass by ggml's own to_float (every
+// type), and its bf16 copy multiplied by every row of the pass: in a prompt pass of 256 rows the
+// integer kernels above spend most of their time on instructions other than the multiply-adds,
+// which the tile unit does 16 by 16 by 32 at a time. The rows round like the plugin's bf16 reader's
+// (bf16 inputs, f32 sums), not like llama.cpp's Q8_K activations; only prompt passes take it.
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+
+constexpr int64_t AMX_ROWS = 32;  // a prompt pass takes the tiles from this many rows
+constexpr int64_t TILE = 16;      // a tile's rows, and its columns of 32 bits
+constexpr int64_t TILE_K = 32;    // values of K a tile row holds (16 pairs of bf16)
+constexpr int64_t AMX_COLUMNS = 2 * TILE;  // weight rows a thread dequantizes at a time (two tiles)
+
+// Whether this CPU multiplies bf16 tiles and Linux lets this process use them (the tile data's
+// state is off until a process asks: arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_ready() {
+    static const bool ready = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1))
+            return false;
+        const bool tiles = (d >> 24) & 1, bf16_tiles = (d >> 22) & 1, avx512_bf16 = (a1 >> 5) & 1, avx512 = (b >> 16) & 1;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return tiles && bf16_tiles && avx512_bf16 && avx512 &&
+               syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ready;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 0;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// 32 f32 values as 32 bf16 (16 pairs, in order), rounded to nearest even.
+AMX_TARGET inline __m512i bf16x32(const float* v) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+}
+
+// The activations in bf16 as the tiles take them: per block of TILE rows and step of TILE_K
+// values, TILE pairs (tile rows) of the block's TILE rows (tile columns), 1 KB. Rows past m
+// (to a whole number of two blocks) are zero.
+struct TiledActivations {
+    int64_t blocks = 0;  // row blocks
+    int64_t steps = 0;   // steps of TILE_K values
+    std::vector<uint32_t> data;
+
+    const uint32_t* tile(int64_t block, int64_t step) const {
+        return data.data() + (block * steps + step) * TILE * TILE;
+    }
+};
+
+AMX_TARGET void tile_activations(const float* x, int64_t m, int64_t k, TiledActivations& t) {
+    t.blocks = (m + 2 * TILE - 1) / (2 * TILE) * 2;
+    t.steps = k / TILE_K;
+    t.data.assign(static_cast<size_t>(t.blocks * t.steps * TILE * TILE), 0);
+    ov::parallel_nt_static(0, [&](int thread, int threads) {
+        int64_t start = 0, stop = 0;
+        ov::splitter(m, threads, thread, start, stop);
+        alignas(64) uint32_t pairs[TILE];
+        for (int64_t row = start; row < stop; ++row)
+            for (int64_t s = 0; s < t.steps; ++s) {
+                _mm512_store_si512(pairs, bf16x32(x + row * k + s * TILE_K));
+                uint32_t* out = const_cast<uint32_t*>(t.tile(row / TILE, s)) + row % TILE;
+                for (int64_t i = 0; i < TILE; ++i)
+                    out[i * TILE] = pairs[i];
+            }
+    });
+}
+
+// y[:, c0 .. c0 + cols) for AMX_COLUMNS weight rows (zero past cols) by every row of `x`. The
+// weights `w` in bf16 tiles: per step of TILE_K values, two tiles of TILE rows, 1 KB each.
+AMX_TARGET void multiply_tiles(const uint16_t* w, const TiledActivations& x, int64_t m, float* y, int64_t y_row,
+                               int64_t cols) {
+    constexpr size_t stride = TILE_K * sizeof(uint16_t);
+    alignas(64) float c[4][TILE][TILE];  // [weight tile * 2 + row tile][weight row][activation row]
+    for (int64_t b = 0; b < x.blocks; b += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < x.steps; ++s) {
+            _tile_loadd(4, w + (2 * s) * TILE * TILE_K, stride);
+            _tile_loadd(5, w + (2 * s + 1) * TILE * TILE_K, stride);
+            _tile_loadd(6, x.tile(b, s), TILE * sizeof(uint32_t));
+            _tile_loadd(7, x.tile(b + 1, s), TILE * sizeof(uint32_t));
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[0], TILE * sizeof(float));
+        _tile_stored(1, c[1], TILE * sizeof(float));
+        _tile_stored(2, c[2], TILE * sizeof(float));
+        _tile_stored(3, c[3], TILE * sizeof(float));
+        for (int64_t h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < TILE && (b + h) * TILE + r < m; ++r) {
+                float* out = y + ((b + h) * TILE + r) * y_row;
+                for (int64_t col = 0; col < cols; ++col)
+                    out[col] = c[col / TILE * 2 + h][col % TILE][r];
+            }
+    }
+}
+
 #endif
 
 // ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
@@ -577,6 +697,8 @@ void quantize(const float* x, int64_t m, int64_t k, Quantized& q) {
     });
 }
 
+struct TiledActivations;
+
 // One weight of a call: its n rows against the m quantized activation rows, into y [m, n].
 struct Product {
     ggml_type type;
@@ -584,6 +706,7 @@ struct Product {
     const Interleaved* il;  // null: rows as stored (vec_dot)
     bool gemm;              // interleaved rows by ggml's gemm
     bool by_ggml;           // rows (put back) as stored by ggml's own mul_mat
+    const TiledActivations* tiles;  // null, or the activations in bf16 tiles: p by the AMX tiles
     const uint8_t* w;
     size_t w_row;
     int64_t n;
@@ -603,6 +726,150 @@ bool has_rows_kernel(const Product& p) {
     return p.il ? p.type == GGML_TYPE_Q4_K || p.type == GGML_TYPE_Q4_0 : p.type == GGML_TYPE_Q6_K;
 #else
     return false;
+#endif
+}
+
+#ifdef AMX_TILES
+// Where weight row `col` (of AMX_COLUMNS) keeps its values s * TILE_K .. in the bf16 weight tiles.
+inline uint16_t* tile_row(uint16_t* w, int64_t col, int64_t s) {
+    return w + ((2 * s + col / TILE) * TILE + col % TILE) * TILE_K;
+}
+
+// A group of 8 interleaved Q4_K rows (`blocks` blocks) into the bf16 weight tiles, as rows col ..
+// col + 7: each value d * scale * q - dmin * min in f32, as ggml's to_float computes it, rounded
+// to bf16 (read straight from the group, not put back as stored first).
+AMX_TARGET void q4_K_tiles(const block_q4_Kx8* group, int64_t blocks, int64_t col, uint16_t* w) {
+    constexpr int ROWS = 8, SUBS = 8;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const block_q4_Kx8& g = group[b];
+        uint8_t scales[SUBS][ROWS], mins[SUBS][ROWS];  // [sub-block][row]
+        for (int sub = 0; sub < SUBS; ++sub)
+            unpack_scales(g.scales + sub * 12, scales[sub], mins[sub]);
+        for (int r = 0; r < ROWS; ++r) {
+            const float d = _cvtsh_ss(g.d[r]), dmin = _cvtsh_ss(g.dmin[r]);
+            for (int l = 0; l < SUBS / 2; ++l) {  // sub-blocks 2l (low nibbles) and 2l + 1 (high)
+                int64_t eight[4];  // the row's 32 bytes of quants for them, 8 at a time 64 bytes apart
+                for (int j = 0; j < 4; ++j)
+                    std::memcpy(&eight[j], g.qs + ((4 * l + j) * ROWS + r) * 8, sizeof(eight[j]));
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eight));
+                const __m256i nibbles[2] = {_mm256_and_si256(raw, m15), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15)};
+                for (int h = 0; h < 2; ++h) {
+                    const int sub = 2 * l + h;
+                    const __m512 scale = _mm512_set1_ps(d * scales[sub][r]), min = _mm512_set1_ps(dmin * mins[sub][r]);
+                    const auto values = [&](__m128i q) {
+                        return _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), scale, min);
+                    };
+                    const __m512 first = values(_mm256_castsi256_si128(nibbles[h]));
+                    const __m512 second = values(_mm256_extracti128_si256(nibbles[h], 1));
+                    _mm512_storeu_si512(tile_row(w, col + r, b * SUBS + sub),
+                                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+                }
+            }
+        }
+    }
+}
+
+// Q6_K rows as stored (`blocks` blocks each) into the bf16 weight tiles as rows col .. col + n - 1:
+// each value d * scale * (q - 32) in f32, as ggml's to_float computes it, rounded to bf16.
+AMX_TARGET void q6_K_tiles(const block_q6_K* rows, int64_t blocks, int64_t col, int64_t n, uint16_t* w) {
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const block_q6_K& blk = rows[r * blocks + b];
+            const float d = _cvtsh_ss(blk.d);
+            __m256i q[8];
+            q6_K_quants(blk, q);
+            for (int v = 0; v < 8; ++v) {  // values 32v.. : their two 16s' scales 2v and 2v + 1
+                const auto values = [&](__m128i bytes, int scale) {
+                    const __m512i signed_q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(32));
+                    return _mm512_mul_ps(_mm512_set1_ps(d * blk.scales[scale]), _mm512_cvtepi32_ps(signed_q));
+                };
+                const __m512 first = values(_mm256_castsi256_si128(q[v]), 2 * v);
+                const __m512 second = values(_mm256_extracti128_si256(q[v], 1), 2 * v + 1);
+                _mm512_storeu_si512(tile_row(w, col + r, b * 8 + v),
+                                    reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+            }
+        }
+}
+
+// Weight rows [c0, c0 + cols) of p into the bf16 weight tiles `w` (AMX_COLUMNS rows, zero past
+// cols): Q4_K groups straight, other types by ggml's to_float (interleaved rows put back as
+// stored first).
+AMX_TARGET void weight_tiles(const Product& p, int64_t k, int64_t c0, int64_t cols, uint16_t* w) {
+    thread_local std::vector<float> f32;
+    thread_local std::vector<uint8_t> stored;
+    f32.resize(static_cast<size_t>(p.unit() * k));
+    stored.resize(static_cast<size_t>(p.unit()) * p.w_row);
+    const int64_t blocks = k / ggml_blck_size(p.type);
+    for (int64_t col = 0; col < AMX_COLUMNS; col += p.unit()) {
+        const uint8_t* rows = p.w + (c0 + col) * p.w_row;
+        if (col < cols && p.il != nullptr && p.type == GGML_TYPE_Q4_K) {
+            q4_K_tiles(reinterpret_cast<const block_q4_Kx8*>(rows), blocks, col, w);
+            continue;
+        }
+        if (col < cols && p.il == nullptr && p.type == GGML_TYPE_Q6_K) {
+            q6_K_tiles(reinterpret_cast<const block_q6_K*>(rows), blocks, col, 1, w);
+            continue;
+        }
+        if (col >= cols) {
+            std::fill(f32.begin(), f32.end(), 0.0f);
+        } else {
+            if (p.il != nullptr) {
+                p.il->deinterleave(rows, stored.data(), blocks);
+                rows = stored.data();
+            }
+            for (int64_t r = 0; r < p.unit(); ++r)
+                ggml_get_type_traits(p.type)->to_float(rows + r * p.w_row, f32.data() + r * k, k);
+        }
+        for (int64_t r = 0; r < p.unit(); ++r)
+            for (int64_t s = 0; s < k / TILE_K; ++s)
+                _mm512_storeu_si512(tile_row(w, col + r, s), bf16x32(f32.data() + r * k + s * TILE_K));
+    }
+}
+
+// Columns [first, last) of p, every row, through the tiles, AMX_COLUMNS weight rows at a time.
+// The thread's tile configuration is saved and restored around it (the plugin's own AMX kernels
+// keep theirs configured between calls).
+AMX_TARGET void multiply_columns_by_tiles(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+    thread_local std::vector<uint16_t> w;
+    w.resize(static_cast<size_t>(AMX_COLUMNS * k));
+    TileConfig saved, mine;
+    _tile_storeconfig(&saved);
+    mine.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        mine.bytes_per_row[i] = TILE_K * sizeof(uint16_t);
+        mine.rows[i] = TILE;
+    }
+    _tile_loadconfig(&mine);
+    for (int64_t c0 = first; c0 < last; c0 += AMX_COLUMNS) {
+        const int64_t cols = std::min(last - c0, AMX_COLUMNS);
+        weight_tiles(p, k, c0, cols, w.data());
+        multiply_tiles(w.data(), *p.tiles, m, p.y + c0, p.n, cols);
+    }
+    if (saved.palette != 0)
+        _tile_loadconfig(&saved);
+    else
+        _tile_release();
+}
+#endif
+
+// Whether a prompt pass of m rows of k values goes through the AMX tiles here.
+bool takes_tiles(int64_t m, int64_t k) {
+#ifdef AMX_TILES
+    return m >= AMX_ROWS && k % TILE_K == 0 && amx_ready();
+#else
+    return false;
+#endif
+}
+
+// x (m rows of k values) in bf16 tiles, kept per calling thread.
+const TiledActivations* tile(const float* x, int64_t m, int64_t k) {
+#ifdef AMX_TILES
+    thread_local TiledActivations tiles;
+    tile_activations(x, m, k, tiles);
+    return &tiles;
+#else
+    return nullptr;
 #endif
 }
 
@@ -693,6 +960,10 @@ void multiply_columns_by_ggml(const Product& p, int64_t m, int64_t k, int64_t fi
 
 // Columns [first, last) of p, every row.
 void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int64_t last) {
+#ifdef AMX_TILES
+    if (p.tiles != nullptr)
+        return multiply_columns_by_tiles(p, m, k, first, last);
+#endif
     if (p.by_ggml)
         return multiply_columns_by_ggml(p, m, k, first, last);
     const int64_t block = m > 1 ? COLUMNS_PER_BLOCK : last - first;
@@ -786,6 +1057,9 @@ public:
         size_t kinds = 0;
         std::vector<Product> products(m_types.size());
         std::vector<size_t> inputs_of(m_types.size());  // which of `quantized` each weight reads
+        // A prompt pass through the AMX tiles where the CPU has them (its weights' types dequantized).
+        const bool tiled = gemm && takes_tiles(m, k);
+        const TiledActivations* tiles = nullptr;
         for (size_t i = 0; i < m_types.size(); ++i) {
             Product& p = products[i];
             p.type = static_cast<ggml_type>(m_types[i]);
@@ -804,6 +1078,11 @@ public:
             if (outputs[i].get_shape() != y_shape)
                 outputs[i].set_shape(y_shape);
             p.y = outputs[i].data<float>();
+            if (tiled && (p.il == nullptr || p.il->deinterleave != nullptr) &&
+                ggml_get_type_traits(p.type)->to_float != nullptr) {
+                p.tiles = tiles != nullptr ? tiles : (tiles = tile(x.data<const float>(), m, k));
+                continue;
+            }
             // The activations in this weight's dot type and layout, quantized once per call.
             const Interleaved* layout = p.gemm ? p.il : nullptr;
             size_t& found = inputs_of[i];
@@ -818,7 +1097,8 @@ public:
             }
         }
         for (size_t i = 0; i < products.size(); ++i)  // (once the scratch stopped growing)
-            products[i].x = &quantized[inputs_of[i]];
+            if (products[i].tiles == nullptr)
+                products[i].x = &quantized[inputs_of[i]];
         multiply(products, m, k);
         return true;
     }
@@ -911,6 +1191,12 @@ extern "C" int specchat_interleave(int type, const void* rows, void* out, int64_
         ggml_backend_buffer_free(buffer);
     ggml_free(ctx);
     return ok;
+}
+
+// 1 where a prompt pass of AMX_ROWS rows or more multiplies through the AMX tiles here (the CPU
+// has bf16 tiles and Linux lets the process use them), else 0.
+extern "C" int specchat_prompt_tiles() {
+    return specchat::takes_tiles(1 << 10, 1 << 10);
 }
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<specchat::GgmlLinear>>()}));
