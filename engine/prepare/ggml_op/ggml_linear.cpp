@@ -609,11 +609,16 @@ AMX_TARGET void multiply_tiles(const uint16_t* w, const TiledActivations& x, int
         _tile_stored(1, c[1], TILE * sizeof(float));
         _tile_stored(2, c[2], TILE * sizeof(float));
         _tile_stored(3, c[3], TILE * sizeof(float));
+        // each activation row's outputs: a column of the tiles (16 floats apart)
+        const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(TILE));
         for (int64_t h = 0; h < 2; ++h)
             for (int64_t r = 0; r < TILE && (b + h) * TILE + r < m; ++r) {
                 float* out = y + ((b + h) * TILE + r) * y_row;
-                for (int64_t col = 0; col < cols; ++col)
-                    out[col] = c[col / TILE * 2 + h][col % TILE][r];
+                for (int64_t t = 0; t < 2 && t * TILE < cols; ++t) {
+                    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(TILE, cols - t * TILE)) - 1);
+                    _mm512_mask_storeu_ps(out + t * TILE, valid, _mm512_i32gather_ps(down, &c[t * 2 + h][0][r], 4));
+                }
             }
     }
 }
