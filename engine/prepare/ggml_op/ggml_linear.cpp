@@ -19,9 +19,10 @@
 // bit for bit; other types go row by row through those. With `gemm` (prompt passes), ggml's batched
 // kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
 // for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
-// put back as stored for it from TILED_ROWS rows, and its gemm for IQ4_NL;
-// their rows round differently with where they fall in a pass. Without gemm, a row's result
-// never depends on the other rows, bit for bit.
+// put back as stored for it from TILED_ROWS rows, and its gemm for IQ4_NL; where the CPU has AMX,
+// from AMX_ROWS rows the op's own bf16 tile kernels instead (weights and activations in bf16, f32
+// sums). Their rows round differently with where they fall in a pass. Without gemm, a row's
+// result never depends on the other rows, bit for bit.
 // A weight row is read once per tile of activation rows, and the weights' columns are split across
 // the plugin's own threads (the TBB arena the inference runs in): the op adds no thread of its
 // own (ggml's mul_mat runs on the thread that calls it).
