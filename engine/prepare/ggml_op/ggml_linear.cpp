@@ -549,9 +549,19 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-// 32 f32 values as 32 bf16 (16 pairs, in order), rounded to nearest even.
+// 32 f32 values (in two registers, or in memory) as 32 bf16 (16 pairs, in order), rounded to
+// nearest even.
+AMX_TARGET inline __m512i bf16x32(__m512 first, __m512 second) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
+}
+
 AMX_TARGET inline __m512i bf16x32(const float* v) {
-    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+    return bf16x32(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16));
+}
+
+// 16 unsigned bytes as f32.
+AMX_TARGET inline __m512 bytes_f32(__m128i bytes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
 // The activations in bf16 as the tiles take them: per block of TILE rows and step of TILE_K
@@ -567,21 +577,28 @@ struct TiledActivations {
     }
 };
 
-AMX_TARGET void tile_activations(const float* x, int64_t m, int64_t k, TiledActivations& t) {
+// Rows [start, stop) of x into t's tiles.
+AMX_TARGET void tile_rows(const float* x, int64_t k, int64_t start, int64_t stop, TiledActivations& t) {
+    alignas(64) uint32_t pairs[TILE];
+    for (int64_t row = start; row < stop; ++row)
+        for (int64_t s = 0; s < t.steps; ++s) {
+            _mm512_store_si512(pairs, bf16x32(x + row * k + s * TILE_K));
+            uint32_t* out = const_cast<uint32_t*>(t.tile(row / TILE, s)) + row % TILE;
+            for (int64_t i = 0; i < TILE; ++i)
+                out[i * TILE] = pairs[i];
+        }
+}
+
+// (The tiles' intrinsics stay in functions compiled for them: a lambda is compiled for the
+// file's target, which may lack AVX-512.)
+void tile_activations(const float* x, int64_t m, int64_t k, TiledActivations& t) {
     t.blocks = (m + 2 * TILE - 1) / (2 * TILE) * 2;
     t.steps = k / TILE_K;
     t.data.assign(static_cast<size_t>(t.blocks * t.steps * TILE * TILE), 0);
     ov::parallel_nt_static(0, [&](int thread, int threads) {
         int64_t start = 0, stop = 0;
         ov::splitter(m, threads, thread, start, stop);
-        alignas(64) uint32_t pairs[TILE];
-        for (int64_t row = start; row < stop; ++row)
-            for (int64_t s = 0; s < t.steps; ++s) {
-                _mm512_store_si512(pairs, bf16x32(x + row * k + s * TILE_K));
-                uint32_t* out = const_cast<uint32_t*>(t.tile(row / TILE, s)) + row % TILE;
-                for (int64_t i = 0; i < TILE; ++i)
-                    out[i * TILE] = pairs[i];
-            }
+        tile_rows(x, k, start, stop, t);
     });
 }
 
@@ -763,13 +780,9 @@ AMX_TARGET void q4_K_tiles(const block_q4_Kx8* group, int64_t blocks, int64_t co
                 for (int h = 0; h < 2; ++h) {
                     const int sub = 2 * l + h;
                     const __m512 scale = _mm512_set1_ps(d * scales[sub][r]), min = _mm512_set1_ps(dmin * mins[sub][r]);
-                    const auto values = [&](__m128i q) {
-                        return _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), scale, min);
-                    };
-                    const __m512 first = values(_mm256_castsi256_si128(nibbles[h]));
-                    const __m512 second = values(_mm256_extracti128_si256(nibbles[h], 1));
-                    _mm512_storeu_si512(tile_row(w, col + r, b * SUBS + sub),
-                                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+                    const __m512 first = _mm512_fmsub_ps(bytes_f32(_mm256_castsi256_si128(nibbles[h])), scale, min);
+                    const __m512 second = _mm512_fmsub_ps(bytes_f32(_mm256_extracti128_si256(nibbles[h], 1)), scale, min);
+                    _mm512_storeu_si512(tile_row(w, col + r, b * SUBS + sub), bf16x32(first, second));
                 }
             }
         }
@@ -785,15 +798,13 @@ AMX_TARGET void q6_K_tiles(const block_q6_K* rows, int64_t blocks, int64_t col, 
             const float d = _cvtsh_ss(blk.d);
             __m256i q[8];
             q6_K_quants(blk, q);
+            const __m512 offset = _mm512_set1_ps(32.0f);
             for (int v = 0; v < 8; ++v) {  // values 32v.. : their two 16s' scales 2v and 2v + 1
-                const auto values = [&](__m128i bytes, int scale) {
-                    const __m512i signed_q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(32));
-                    return _mm512_mul_ps(_mm512_set1_ps(d * blk.scales[scale]), _mm512_cvtepi32_ps(signed_q));
-                };
-                const __m512 first = values(_mm256_castsi256_si128(q[v]), 2 * v);
-                const __m512 second = values(_mm256_extracti128_si256(q[v], 1), 2 * v + 1);
-                _mm512_storeu_si512(tile_row(w, col + r, b * 8 + v),
-                                    reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+                const __m512 first = _mm512_mul_ps(_mm512_set1_ps(d * blk.scales[2 * v]),
+                                                   _mm512_sub_ps(bytes_f32(_mm256_castsi256_si128(q[v])), offset));
+                const __m512 second = _mm512_mul_ps(_mm512_set1_ps(d * blk.scales[2 * v + 1]),
+                                                    _mm512_sub_ps(bytes_f32(_mm256_extracti128_si256(q[v], 1)), offset));
+                _mm512_storeu_si512(tile_row(w, col + r, b * 8 + v), bf16x32(first, second));
             }
         }
 }
