@@ -514,11 +514,12 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
 #if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__)
 #define AMX_TILES 1
 // Prompt passes on AMX: activations and weights in bf16, multiplied by the CPU's tile unit
-// (`tdpbf16ps`) with f32 sums. A weight is dequantized once per pass by ggml's own to_float (every
-// type), and its bf16 copy multiplied by every row of the pass: in a prompt pass of 256 rows the
-// integer kernels above spend most of their time on instructions other than the multiply-adds,
-// which the tile unit does 16 by 16 by 32 at a time. The rows round like the plugin's bf16 reader's
-// (bf16 inputs, f32 sums), not like llama.cpp's Q8_K activations; only prompt passes take it.
+// (`tdpbf16ps`) with f32 sums. A weight is dequantized once per pass to the f32 values ggml's
+// to_float gives (Q4_K and Q6_K here in registers, other types by to_float itself), and its bf16
+// copy multiplied by every row of the pass: in a prompt pass of 256 rows the integer kernels
+// above spend most of their time on instructions other than the multiply-adds, which the tile
+// unit does 16 by 16 by 32 at a time. The rows round like the plugin's bf16 reader's (bf16
+// inputs, f32 sums), not like llama.cpp's Q8_K activations; only prompt passes take it.
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
 
 constexpr int64_t AMX_ROWS = 32;  // a prompt pass takes the tiles from this many rows
