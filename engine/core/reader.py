@@ -198,10 +198,10 @@ def fastest_reader(
         return seconds
 
     def candidates() -> Iterator[PromptReader]:
-        on_ggml = target.library is not None
         if target.library is not None:
             yield GemmReader(target.library)
-        for precision, on in itertools.product(precisions(core), [None] * plugin + [target] * (on_ggml and stateless)):
+        stateless_on_ggml = target.library is not None and stateless
+        for precision, on in itertools.product(precisions(core), [None] * plugin + [target] * stateless_on_ggml):
             yield Reader(target.ir_dir, target.config, precision, core, on)
 
     target.forward(tokens[:READ_PASS])  # (the first pass of a shape sets it up)

@@ -609,6 +609,9 @@ AMX_TARGET void multiply_tiles(const uint16_t* w, const TiledActivations& x, int
                                int64_t cols) {
     constexpr size_t stride = TILE_K * sizeof(uint16_t);
     alignas(64) float c[4][TILE][TILE];  // [weight tile * 2 + row tile][weight row][activation row]
+    // each activation row's outputs: a column of the tiles (16 floats apart)
+    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(TILE));
     for (int64_t b = 0; b < x.blocks; b += 2) {
         _tile_zero(0);
         _tile_zero(1);
@@ -628,9 +631,6 @@ AMX_TARGET void multiply_tiles(const uint16_t* w, const TiledActivations& x, int
         _tile_stored(1, c[1], TILE * sizeof(float));
         _tile_stored(2, c[2], TILE * sizeof(float));
         _tile_stored(3, c[3], TILE * sizeof(float));
-        // each activation row's outputs: a column of the tiles (16 floats apart)
-        const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(TILE));
         for (int64_t h = 0; h < 2; ++h)
             for (int64_t r = 0; r < TILE && (b + h) * TILE + r < m; ++r) {
                 float* out = y + ((b + h) * TILE + r) * y_row;
