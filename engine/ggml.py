@@ -23,9 +23,14 @@ INTERLEAVE = 8
 # (Its third form: weights with interleaved kernels keep their rows interleaved, and an int4
 # model's rows are 4-bit blocks. A cache holding an earlier form writes this one and drops that.)
 GGML_XML = "openvino_model_ggml3.xml"
-# Its input that turns ggml's batched kernels on for a pass (its gemm, its tiled mul_mat) (engine.core.runtime:
-# a prompt reader's passes).
+# Its input of a pass's flags (engine.core.runtime sets it on every pass): GEMM turns ggml's batched
+# kernels on (its gemm, its tiled mul_mat: a prompt reader's passes); FINE multiplies Q4_K and Q6_K
+# rows by activations in 14 bits rather than 8 where the CPU can (:func:`fine_activations`).
 GEMM_INPUT = "ggml_gemm"
+GEMM, FINE = 1, 2
+# Bits per activation the op's own kernels can multiply Q4_K and Q6_K rows by: 8 (Q8_K, as llama.cpp
+# does) or 14 (FINE).
+ACTIVATIONS = (8, 14)
 
 
 def register(core: ov.Core, library: Path) -> None:
@@ -59,6 +64,12 @@ def prompt_tiles(library: Path) -> bool:
     return bool(_native(library).specchat_prompt_tiles())
 
 
+def fine_activations(library: Path) -> bool:
+    """Whether the op multiplies Q4_K and Q6_K rows by activations in 14 bits here when a pass's
+    flags ask for it (FINE: on CPUs with AVX-512 VNNI; docs/design.md, "Activations in 14 bits")."""
+    return bool(_native(library).specchat_fine_activations())
+
+
 def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray | None:
     """``rows`` (u8 [N, bytes per row]) interleaved as ggml's gemm and gemv read them (its CPU
     "repack" layout), or None where ggml has no such kernels for the type or shape on this CPU."""
@@ -81,9 +92,9 @@ def linears(
     """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
     in one node (the activations quantized once): multiplied by ggml's gemv on the rows
     interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
-    rows as stored. ``gemm`` (i64 [1], 0 if not given): 1 multiplies by batched kernels instead,
-    faster over many rows, but a row then rounds with where it falls in its pass: for a prompt's
-    passes (:data:`GEMM_INPUT`). Those are the AMX tiles in bf16 from 32 rows where the CPU has
+    rows as stored. ``gemm``: the flags (i64 [1], 0 if not given; :data:`GEMM_INPUT`). GEMM
+    multiplies by batched kernels instead, faster over many rows, but a row then rounds with where
+    it falls in its pass: for a prompt's passes. Those are the AMX tiles in bf16 from 32 rows where the CPU has
     them (:func:`prompt_tiles`), else ggml's (its gemm on interleaved rows, its own mul_mat on rows
     as stored, and on interleaved Q4_K rows put back as stored from 256 rows on)."""
     flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
@@ -105,7 +116,7 @@ def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interl
 
 
 def gemm_input() -> ov.Node:
-    """The graph input that turns ggml's batched kernels on in every op it feeds (:func:`linears`)."""
+    """The graph input of the flags of every op it feeds (:data:`GEMM_INPUT`, :func:`linears`)."""
     flag = ops.parameter([1], ov.Type.i64, name=GEMM_INPUT)
     flag.output(0).get_tensor().set_names({GEMM_INPUT})
     return flag

@@ -14,6 +14,7 @@ from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import KERNELS, Engine
 from engine.core.turns import NO_LIMITS
+from engine.ggml import ACTIVATIONS
 from engine.prepare import ggml_ir
 from engine.prepare.pipeline import PreparedModel, cache_dir_from_args, prepare_from_args
 
@@ -60,6 +61,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "faster (default: $SPECCHAT_KERNELS, else auto)",
     )
     parser.add_argument(
+        "--activations",
+        type=int,
+        choices=ACTIVATIONS,
+        default=int(os.environ.get("SPECCHAT_ACTIVATIONS", "8")),
+        help="bits per activation ggml's kernels multiply the GGUF's Q4_K and Q6_K blocks by: 8 as llama.cpp does, "
+        "or 14 (on CPUs with AVX-512 VNNI): the file's model to a finer rounding, about a tenth slower "
+        "(default: $SPECCHAT_ACTIVATIONS, else 8)",
+    )
+    parser.add_argument(
         "--batch-speculation",
         choices=("on", "off"),
         default="on",
@@ -91,6 +101,7 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         batch_speculation=getattr(args, "batch_speculation", "on") == "on",
         kernels=getattr(args, "kernels", "auto"),
         library=library,
+        activations=getattr(args, "activations", 8),
     )
 
 
@@ -113,5 +124,6 @@ def engine_from_args(args: argparse.Namespace, target: PreparedModel, draft: Pre
         prompt_reader=args.prompt_reader,
         kernels=args.kernels,
         library=kernels_library(args, (target, draft)),
+        activations=args.activations,
         **settings,
     )

@@ -60,12 +60,19 @@ def library() -> Path:
 
 
 def compiled(
-    library: Path, rows: np.ndarray, kind: Q, threads: int = 0, interleave: bool = True, gemm: bool = False
+    library: Path,
+    rows: np.ndarray,
+    kind: Q,
+    threads: int = 0,
+    interleave: bool = True,
+    gemm: bool = False,
+    fine: bool = False,
 ) -> ov.CompiledModel:
     core = ov.Core()
     ggml.register(core, library)
     x = ops.parameter([-1, K], ov.Type.f32)
-    flag = ops.constant(np.array([int(gemm)], dtype=np.int64)).output(0)
+    flags = (ggml.GEMM if gemm else 0) | (ggml.FINE if fine else 0)
+    flag = ops.constant(np.array([flags], dtype=np.int64)).output(0)
     model = ov.Model(ggml.linears(x.output(0), [(rows, int(kind))], library, interleave, flag), [x])
     return core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
 
@@ -93,6 +100,51 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
         together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
         np.testing.assert_array_equal(together, alone)
     np.testing.assert_array_equal(compiled(library, rows, kind, threads=1)({0: x})[0], alone)
+
+
+def spread_rows(count: int, seed: int) -> np.ndarray:
+    """Activation rows from 1e-3 to 1e3 in scale, one of them with an outlier as LLMs' have."""
+    scales = np.geomspace(1e-3, 1e3, count)[:, None]
+    x = (np.random.default_rng(seed).standard_normal((count, K)) * scales).astype(np.float32)
+    x[3, 7] = 500.0
+    return x
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K])
+def test_activations_in_14_bits_give_the_product_finer_and_a_row_alike_at_any_width(library, kind):
+    """With FINE the op's own Q4_K and Q6_K kernels take the activations in 14 bits: each row
+    nearer the exact product than with 8 (a value rounds 64 times finer), and still the same bit
+    for bit at any pass width and thread count, so greedy speculative output stays exact."""
+    if not ggml.fine_activations(library):
+        pytest.skip("14-bit activations take AVX-512 VNNI")
+    rows = random_rows(kind, N, K, seed=3)
+    x = spread_rows(70, seed=4)
+    exact = x.astype(np.float64) @ gguf.quants.dequantize(rows, kind).reshape(N, K).astype(np.float64).T
+    model = compiled(library, rows, kind, fine=True)
+    alone = np.concatenate([model({0: x[i : i + 1]})[0] for i in range(len(x))])
+    for width in (2, 5, 8, 17, 70):
+        together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
+        np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(compiled(library, rows, kind, threads=1, fine=True)({0: x})[0], alone)
+
+    def error(y: np.ndarray) -> np.ndarray:  # per row, against its largest output
+        return np.abs(y - exact).max(1) / np.abs(exact).max(1)
+
+    coarse = error(compiled(library, rows, kind)({0: x})[0])
+    assert error(alone).max() < 1e-3 and np.median(coarse / error(alone)) > 20
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0, Q.Q5_K])
+def test_fine_leaves_other_types_and_prompt_passes_as_they_are(library, kind):
+    """Types without the op's own 14-bit kernels keep their 8-bit dot type, and a prompt pass
+    (GEMM) its batched kernels, FINE or not."""
+    rows = random_rows(kind, N, K, seed=5)
+    x = spread_rows(40, seed=6)
+    for gemm in (False, True):
+        np.testing.assert_array_equal(
+            compiled(library, rows, kind, gemm=gemm, fine=True)({0: x})[0],
+            compiled(library, rows, kind, gemm=gemm)({0: x})[0],
+        )
 
 
 def test_a_row_through_the_ops_own_kernel_is_ggmls_own_bit_for_bit(library):
@@ -374,6 +426,22 @@ def test_greedy_speculative_equals_autoregressive_on_ggml_kernels(gguf_target, l
         ar, _ = serve(target, drafter, prompt, speculative=False, max_new_tokens=30)
         sd, stats = serve(target, drafter, prompt, k=k, max_new_tokens=30)
         assert sd == ar and stats.drafted > 0
+
+
+def test_a_runtime_asks_for_14_bit_activations_where_the_cpu_has_them_and_says_so(
+    gguf_target, library, monkeypatch, caplog
+):
+    fine = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=14)
+    assert fine.pass_inputs()[ggml.GEMM_INPUT][0] == (ggml.FINE if ggml.fine_activations(library) else 0)
+    assert ("14-bit activations" in fine.label) == ggml.fine_activations(library)
+    assert fine.pass_inputs(gemm=True)[ggml.GEMM_INPUT][0] == ggml.GEMM
+    monkeypatch.setattr(ggml, "fine_activations", lambda library: False)
+    with caplog.at_level(logging.WARNING, logger="specchat.engine"):
+        coarse = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=14)
+    assert coarse.pass_inputs()[ggml.GEMM_INPUT][0] == 0 and "AVX-512 VNNI" in caplog.text
+    assert "14-bit" not in coarse.label
+    with pytest.raises(EngineError, match="choose one of 8, 14"):
+        Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=12)
 
 
 def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_target, library, caplog):

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from gradio_client import Client
 
-from engine import manifest
+from engine import ggml, manifest
 from engine.core.budget import GIB
 from engine.core.memory import resident_bytes
 from engine.core.requests import Request
 from engine.core.service import Engine
+from engine.ggml import ACTIVATIONS
 from engine.prepare import ggml_ir
 from engine.prepare.pipeline import PreparedModel, default_cache_dir
 from tests.ui.served import ask, last_answer, serve
@@ -143,17 +144,20 @@ def test_the_longest_prompt_the_default_cap_accepts_is_answered_within_the_memor
     assert resident_bytes() <= held + 4 * GIB
 
 
-@pytest.fixture(scope="module")
-def ggml_engine(real_pair):
+@pytest.fixture(scope="module", params=ACTIVATIONS, ids=lambda bits: f"{bits}-bit activations")
+def ggml_engine(real_pair, request):
     """The real pair with every linear layer on ggml's kernels (the op built, the graphs written
-    on first use, as prepare does)."""
+    on first use, as prepare does), its activations in 8 bits and in 14 where the CPU can."""
     models = []
     for path in real_pair:
         recorded = manifest.read(path) or {}
         models.append(PreparedModel(path, recorded.get("precision", ""), recorded.get("source", ""), ""))
     library = ggml_ir.for_models(tuple(models), default_cache_dir(), required=True)
+    if request.param == 14 and not ggml.fine_activations(library):
+        pytest.skip("14-bit activations take AVX-512 VNNI")
     # (its own budget: the default one counts the other engine this module holds as its models)
-    with Engine(*real_pair, kernels="ggml", library=library, memory_limit=resident_bytes() + 6 * GIB) as engine:
+    limit = resident_bytes() + 6 * GIB
+    with Engine(*real_pair, kernels="ggml", library=library, memory_limit=limit, activations=request.param) as engine:
         yield engine
 
 

@@ -36,7 +36,7 @@ from engine import ggml
 from engine.core import graph
 from engine.core.reading import READ_PASS, SHORTEST_RUN, ReadPass, ReadPath
 from engine.core.runtime import Runtime
-from engine.ggml import GEMM_INPUT
+from engine.ggml import GEMM, GEMM_INPUT
 
 # What a reader's pass grows the process by, per byte of the cache it reads into: its output (a
 # copy of the cache), the past concatenated in each layer and its scratch; measured reading a
@@ -150,7 +150,7 @@ class Reader(PromptReader):
             "logits_to_keep": np.array([1], dtype=np.int64),
         }
         if GEMM_INPUT in self._inputs:
-            feed[GEMM_INPUT] = np.ones(1, dtype=np.int64)
+            feed[GEMM_INPUT] = np.array([GEMM], dtype=np.int64)
         pairs = [(state, *self._names(state.name)) for state in states]
         for state, name, _ in pairs:
             feed[name] = state.state if past else ov.Tensor(runtime.empty_state)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import openvino as ov
 from engine import ggml, manifest
 from engine.core import graph, hugepages
 from engine.core.reading import ReadPass, common_prefix
-from engine.errors import ContextLimitError, PrepareError
+from engine.errors import ContextLimitError, EngineError, PrepareError
 from engine.ggml import GEMM_INPUT, GGML_XML
+
+log = logging.getLogger("specchat.engine")
 
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
@@ -74,6 +77,17 @@ def model_label(ir_dir: Path, hf_config: dict) -> str:
     return Path(str(hf_config.get("_name_or_path") or ir_dir)).name
 
 
+def activation_flags(bits: int, library: Path) -> int:
+    """The flags of a pass on the op in ``library`` with activations of ``bits`` asked for
+    (engine.ggml.ACTIVATIONS): FINE for 14; where the CPU cannot, 8-bit ones, with a warning."""
+    if bits not in ggml.ACTIVATIONS:
+        raise EngineError(f"activations of {bits} bits: choose one of {', '.join(map(str, ggml.ACTIVATIONS))}")
+    if bits == 14 and not ggml.fine_activations(library):
+        log.warning("14-bit activations take AVX-512 VNNI, which this CPU lacks: 8-bit ones, as llama.cpp's")
+        return 0
+    return ggml.FINE if bits == 14 else 0
+
+
 class Runtime:
     """One model, one request, one KV cache."""
 
@@ -88,12 +102,15 @@ class Runtime:
         pass_width: int = 1,
         first_token_alone: bool = False,
         kernels: Path | None = None,
+        activations: int = 8,
     ):
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
 
         ``kernels``: the GgmlLinear op's library (engine.prepare.kernels): the IR's graph whose
         linear layers run ggml's kernels on the GGUF's own blocks is read (engine.prepare.ggml_ir)
-        instead of the one the plugin's kernels run.
+        instead of the one the plugin's kernels run. ``activations``: on those, the bits the op's
+        own Q4_K and Q6_K kernels multiply by (engine.ggml.ACTIVATIONS): 8 as llama.cpp does, or 14
+        where the CPU can (else 8, with a warning), nearer the file's model and slower.
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
         copying the cache. For the draft, copying every state out and back in costs about a third
@@ -120,9 +137,11 @@ class Runtime:
         xml = self.ir_dir / "openvino_model.xml"
         self.kernels = "openvino"
         self.library = kernels
+        self._flags = 0  # every pass's flags on ggml's kernels (engine.ggml.GEMM_INPUT), but GEMM
         if kernels is not None:  # (the IR's graph whose linear layers run ggml's kernels)
             ggml.register(core, kernels)
             xml, self.kernels = self.ir_dir / GGML_XML, "ggml"
+            self._flags = activation_flags(activations, kernels)
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
@@ -145,6 +164,7 @@ class Runtime:
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
         self.label = model_label(self.ir_dir, hf_config) + (" · ggml kernels" if self.kernels == "ggml" else "")
+        self.label += ", 14-bit activations" if self._flags & ggml.FINE else ""
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
         self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
@@ -275,10 +295,12 @@ class Runtime:
         self._mask = np.ones(len(self.tokens), dtype=np.int64)
 
     def pass_inputs(self, gemm: bool = False) -> dict[str, np.ndarray]:
-        """The graph's inputs a pass sets besides the tokens: on ggml's kernels, whether its gemm
-        multiplies (engine.ggml.GEMM_INPUT: a prompt reader's passes only, whose rows round with
-        where they fall in a pass; every other pass computes a row alike at any width)."""
-        return {GEMM_INPUT: np.array([int(gemm)], dtype=np.int64)} if self._has_gemm_input else {}
+        """The graph's inputs a pass sets besides the tokens: on ggml's kernels, its flags
+        (engine.ggml.GEMM_INPUT): whether its gemm multiplies (a prompt reader's passes only, whose
+        rows round with where they fall in a pass; every other pass computes a row alike at any
+        width), and the activations' bits."""
+        flags = ggml.GEMM if gemm else self._flags
+        return {GEMM_INPUT: np.array([flags], dtype=np.int64)} if self._has_gemm_input else {}
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1, gemm: bool = False) -> np.ndarray:
         """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them

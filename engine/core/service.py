@@ -81,6 +81,7 @@ class Engine:
         batch_speculation: bool = True,
         kernels: str = "openvino",
         library: Path | None = None,
+        activations: int = 8,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -100,15 +101,19 @@ class Engine:
         requests served together verify their copies in the batched pass (else plain batched
         steps). ``kernels``: what computes the linear layers (:data:`KERNELS`: the plugin's, or
         ggml's on the GGUF's own blocks through the op in ``library``, where a model's IR has a
-        graph with it; ``auto`` times both per model and keeps the faster). The two models must
-        share one vocabulary (``engine.prepare`` checks it)."""
+        graph with it; ``auto`` times both per model and keeps the faster). ``activations``: on
+        ggml's kernels, the bits the op's own Q4_K and Q6_K kernels multiply by (8 or 14:
+        :class:`~engine.core.runtime.Runtime`). The two models must share one vocabulary
+        (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
         self.tokenizer = auto_tokenizer(target_dir)
         before = resident_bytes()
         target_config = TARGET_CONFIG if config is None else config
         self.target = on_kernels(
-            lambda lib: Runtime(Path(target_dir), device, target_config, first_token_alone=True, kernels=lib),
+            lambda lib: Runtime(
+                Path(target_dir), device, target_config, first_token_alone=True, kernels=lib, activations=activations
+            ),
             Path(target_dir),
             kernels,
             library,
@@ -125,6 +130,7 @@ class Engine:
                     masked_rollback=True,
                     pass_width=DRAFT_PASS_WIDTH,
                     kernels=lib,
+                    activations=activations,
                 ),
                 Path(draft_dir),
                 kernels,

@@ -1,8 +1,9 @@
 // GgmlLinear: y_i = x @ W_i^T for weights kept in their GGUF blocks, computed by ggml's CPU kernels
 // inside an OpenVINO graph (docs/design.md, "The GGUF's own kernels").
 //
-// Inputs: x, f32 [..., K]; gemm, i64 (or i32) [1]: 1 to multiply by ggml's batched kernels, whose
-// rows round with where they fall in a pass (a graph input: a prompt's passes set it); w_1 .. w_n,
+// Inputs: x, f32 [..., K]; flags, i64 (or i32) [1] (a graph input, named ggml_gemm): GEMM to
+// multiply by ggml's batched kernels, whose rows round with where they fall in a pass (a prompt's
+// passes set it), FINE for activations in 14 bits where the CPU can (below); w_1 .. w_n,
 // u8 [N_i, row_bytes_i], each weight's rows in the GGUF's blocks. The weights share their input: a
 // layer's q, k and v projections, or its gate and up, are one node, so the activations are
 // quantized once and the plugin runs one node instead of three (each node costs it a shape
@@ -16,7 +17,10 @@
 // ones), as llama.cpp does. Rows of Q4_K and Q4_0 (interleaved) and Q6_K (as stored) go through
 // the op's own kernels, which share each block's unpacking among a pass's rows and give every row
 // what ggml's one-row kernel gives it (gemv for interleaved weights, vec_dot for rows as stored),
-// bit for bit; other types go row by row through those. With `gemm` (prompt passes), ggml's batched
+// bit for bit; other types go row by row through those. With FINE, the op's own Q4_K and Q6_K
+// kernels take the activations in 14 bits instead (on AVX-512 VNNI), each row still alike at any
+// width: the file's model to rounding 64 times finer, at about twice the multiply-adds.
+// With GEMM (prompt passes), ggml's batched
 // kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
 // for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
 // put back as stored for it from TILED_ROWS rows, and its gemm for IQ4_NL; where the CPU has AMX,
@@ -31,6 +35,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,7 +76,10 @@ constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a tim
 // (0.67 ms against 1.07 by gemm at 16 rows, 5.3 against 5.7 tiled at 128) and more at 256 (9.2
 // against 8.7).
 constexpr int64_t TILED_ROWS = 256;
-constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and gemm)
+constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and the flags)
+// The flags input's bits: a pass multiplies by ggml's batched kernels (prompt passes), or by
+// activations in 14 bits (block_q14, where the CPU can; not with GEMM).
+constexpr int64_t GEMM = 1, FINE = 2;
 constexpr size_t GRAPH_NODES = 4;  // ggml's graph of one mul_mat: its weight, activations and result
 
 using Gemx = void (*)(int, float*, size_t, const void*, const void*, int, int);
@@ -239,10 +247,130 @@ inline void q4_K_block_sums(const block_q4_Kx8& g, const int32_t (*scale)[16], c
             wide[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(wide[t], lo[t], s0), hi[t], s1);
     }
 }
+
+// Activations in 14 bits, the op's finer dot type (docs/design.md, "Activations in 14 bits"): per
+// 256 values a scale d and integers a in [-8191, 8191], the value d * a, each a kept as two bytes,
+// a = 128 hi + lo with lo in [0, 127] and hi in [-64, 63], which the VNNI units multiply by the
+// weights' bytes as they multiply Q8_K's: two products for one, each value rounded 64 times finer,
+// every integer sum exact. The sums of a that the K-quants' offsets take (over each 32 values for
+// Q4_K's mins, each 16 for Q6_K's 32) are kept as their low 15 bits and the rest, for 16-bit
+// multiply-adds.
+constexpr int32_t FINE_MAX = 8191;
+struct block_q14 {
+    float d;
+    int32_t sums32_low[QK_K / 64], sums32_high[QK_K / 64];  // entry t: sub-blocks 2t and 2t + 1, 16 bits each
+    int16_t sums16_low[QK_K / 16], sums16_high[QK_K / 16];
+    uint8_t lo[QK_K];
+    int8_t hi[QK_K];
+};
+
+void quantize_row_q14(const float* x, block_q14* y, int64_t k) {
+    const auto low = [](int32_t sum) { return sum & 0x7FFF; };
+    const auto high = [](int32_t sum) { return sum >> 15; };
+    const auto pair = [](int32_t first, int32_t second) {
+        return static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFF) | (static_cast<uint32_t>(second) << 16));
+    };
+    constexpr int RUNS = QK_K / 16;
+    for (int64_t b = 0; b < k / QK_K; ++b, x += QK_K) {
+        __m512 v[RUNS], amax = _mm512_setzero_ps();
+        for (int j = 0; j < RUNS; ++j) {
+            v[j] = _mm512_loadu_ps(x + 16 * j);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+        }
+        const float top = _mm512_reduce_max_ps(amax);
+        block_q14& out = y[b];
+        out.d = top / FINE_MAX;
+        const __m512 scale = _mm512_set1_ps(top > 0.0f ? FINE_MAX / top : 0.0f);
+        int32_t sums[RUNS];
+        for (int j = 0; j < RUNS; ++j) {  // (to nearest, ties to even)
+            __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], scale));
+            a = _mm512_max_epi32(_mm512_min_epi32(a, _mm512_set1_epi32(FINE_MAX)), _mm512_set1_epi32(-FINE_MAX));
+            sums[j] = _mm512_reduce_add_epi32(a);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + 16 * j),
+                             _mm512_cvtepi32_epi8(_mm512_and_si512(a, _mm512_set1_epi32(127))));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi + 16 * j), _mm512_cvtepi32_epi8(_mm512_srai_epi32(a, 7)));
+        }
+        for (int j = 0; j < RUNS; ++j) {
+            out.sums16_low[j] = static_cast<int16_t>(low(sums[j]));
+            out.sums16_high[j] = static_cast<int16_t>(high(sums[j]));
+        }
+        for (int t = 0; t < QK_K / 64; ++t) {
+            const int32_t first = sums[4 * t] + sums[4 * t + 1], second = sums[4 * t + 2] + sums[4 * t + 3];
+            out.sums32_low[t] = pair(low(first), low(second));
+            out.sums32_high[t] = pair(high(first), high(second));
+        }
+    }
+}
+
+inline __m512i eight_bytes(const void* p) {
+    int64_t bytes;
+    std::memcpy(&bytes, p, sizeof(bytes));
+    return _mm512_set1_epi64(bytes);
+}
+
+// q4_K_block_sums for 14-bit activations: per sub-block, the sums of the weights by the low and
+// by the high bytes (each lane's 16 products fit 16 bits) times its scales, the high ones' times 128.
+template <int T>
+inline void q4_K_block_sums(const block_q4_Kx8& g, const int32_t (*scale)[16], const block_q14* const* a,
+                            __m512i* wide) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i low[T], high[T];
+    for (int t = 0; t < T; ++t)
+        low[t] = high[t] = _mm512_setzero_si512();
+    for (int l = 0; l < 4; ++l) {  // sub-blocks 2l (low nibbles) and 2l + 1 (high)
+        __m512i lo0[T], hi0[T], lo1[T], hi1[T];
+        for (int t = 0; t < T; ++t)
+            lo0[t] = hi0[t] = lo1[t] = hi1[t] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) {  // chunk i: 8 values of each column
+            const __m512i raw = _mm512_loadu_si512(g.qs + l * 256 + i * 64);
+            const __m512i ql = _mm512_and_si512(raw, m15), qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m15);
+            const int at = 64 * l + 8 * i;
+            for (int t = 0; t < T; ++t) {
+                lo0[t] = _mm512_dpbusd_epi32(lo0[t], eight_bytes(a[t]->lo + at), ql);
+                hi0[t] = _mm512_dpbusd_epi32(hi0[t], ql, eight_bytes(a[t]->hi + at));
+                lo1[t] = _mm512_dpbusd_epi32(lo1[t], eight_bytes(a[t]->lo + at + 32), qh);
+                hi1[t] = _mm512_dpbusd_epi32(hi1[t], qh, eight_bytes(a[t]->hi + at + 32));
+            }
+        }
+        const __m512i s0 = _mm512_load_si512(scale[2 * l]), s1 = _mm512_load_si512(scale[2 * l + 1]);
+        for (int t = 0; t < T; ++t) {
+            low[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(low[t], lo0[t], s0), lo1[t], s1);
+            high[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(high[t], hi0[t], s0), hi1[t], s1);
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        wide[t] = _mm512_add_epi32(low[t], _mm512_slli_epi32(high[t], 7));
+}
 #endif
 
-// A group of 8 interleaved Q4_K weight rows by `rows` Q8_K activation rows (`x_row` bytes apart),
-// into y (rows `y_row` floats apart): each row as ggml_gemv_q4_K_8x8_q8_K computes it alone.
+// Each column's mins times the activations' sums of their sub-blocks (`mins`: per pair of
+// sub-blocks, each column's two mins as 16-bit halves of its lane, columns 0-3 then 4-7).
+inline __m256i min_sums(const __m256i* mins, const block_q8_K* a) {
+    int32_t bsum[4];  // the sums of each sub-block's 32 values, two sub-blocks per 32 bits
+    const __m128i halves = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums + 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bsum), halves);
+    __m256i imin = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t)
+        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(bsum[t])));
+    return imin;
+}
+
+#ifdef VNNI_512
+inline __m256i min_sums(const __m256i* mins, const block_q14* a) {
+    __m256i low = _mm256_setzero_si256(), high = low;
+    for (int t = 0; t < 4; ++t) {
+        low = _mm256_add_epi32(low, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(a->sums32_low[t])));
+        high = _mm256_add_epi32(high, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(a->sums32_high[t])));
+    }
+    return _mm256_add_epi32(low, _mm256_slli_epi32(high, 15));
+}
+#endif
+
+// A group of 8 interleaved Q4_K weight rows by `rows` activation rows (`x_row` bytes apart) of
+// Q8_K or 14-bit blocks (A), into y (rows `y_row` floats apart): each row as
+// ggml_gemv_q4_K_8x8_q8_K computes it alone (in 14 bits, in its steps).
+template <typename A>
 void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row) {
     thread_local std::vector<float> scratch;  // per row: 8 columns' sums, then 8 of their mins'
@@ -271,17 +399,10 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
         }
         // Row r's sums and mins from its integer sums (per 32-bit lane, two per column, columns 0-3
         // then 4-7), in gemv's f32 steps.
-        const auto finish = [&](int64_t r, const block_q8_K* a, __m256i low, __m256i high) {
+        const auto finish = [&](int64_t r, const A* a, __m256i low, __m256i high) {
             // lanes 2c and 2c+1 hold column c's: hadd gives columns 0 1 4 5 2 3 6 7
             const __m256i by_column = _mm256_permute4x64_epi64(_mm256_hadd_epi32(low, high), 0xD8);
-            // the activations' sums of each sub-block's 32 values, two sub-blocks per 32 bits
-            int32_t bsum[4];
-            const __m128i halves = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums)),
-                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(a->bsums + 8)));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(bsum), halves);
-            __m256i imin = _mm256_setzero_si256();
-            for (int t = 0; t < 4; ++t)
-                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[t], _mm256_set1_epi32(bsum[t])));
+            const __m256i imin = min_sums(mins, a);
             const __m256 dy = _mm256_set1_ps(a->d);
             float* acc = sums + r * 16;
             const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by_column), _mm256_mul_ps(_mm256_loadu_ps(d), dy),
@@ -291,11 +412,11 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
             _mm256_storeu_ps(acc, sum);
             _mm256_storeu_ps(acc + 8, min_sum);
         };
-        const auto row = [&](int64_t r) { return reinterpret_cast<const block_q8_K*>(x + r * x_row) + b; };
+        const auto row = [&](int64_t r) { return reinterpret_cast<const A*>(x + r * x_row) + b; };
 #ifdef VNNI_512
         for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += tile) {
             tile = rows - r0 == ROW_TILE + 1 ? ROW_TILE + 1 : std::min<int64_t>(ROW_TILE, rows - r0);
-            const block_q8_K* a[ROW_TILE + 1];
+            const A* a[ROW_TILE + 1];
             for (int t = 0; t < tile; ++t)
                 a[t] = row(r0 + t);
             __m512i wide[ROW_TILE + 1];
@@ -310,6 +431,7 @@ void gemv_rows_q4_K(const block_q4_Kx8* w, int64_t blocks, const void* end, cons
                 finish(r0 + t, a[t], _mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64(wide[t], 1));
         }
 #else
+        static_assert(std::is_same_v<A, block_q8_K>, "14-bit activations take VNNI");
         // The quants as bytes, by sub-block s and chunk i: 64 bytes, 8 from each column in turn.
         alignas(64) uint8_t q[8][4][64];
         for (int l = 0; l < 4; ++l)
@@ -450,10 +572,25 @@ inline void q6_K_quants(const block_q6_K& blk, __m256i* q) {
     }
 }
 
-// One Q6_K weight row (as stored) by `rows` Q8_K activation rows, into y (rows `y_row` floats
-// apart): each as ggml_vec_dot_q6_K_q8_K computes it alone. Its lanes: lane j of each 32 bytes of
-// quants sums bytes 4j..4j+3 times the scale of their 16 (the first 16 bytes' scale in lanes 0-3),
-// less 32 times the activations' sums of values 32j..32j+31 times their scales.
+// The activations' sums of each 16 values times their Q6_K scales (16-bit), pairs added per lane.
+inline __m256i sums_by_scales(const block_q8_K* a, __m256i scales16) {
+    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums)), scales16);
+}
+
+#ifdef VNNI_512
+inline __m256i sums_by_scales(const block_q14* a, __m256i scales16) {
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->sums16_low));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->sums16_high));
+    return _mm256_add_epi32(_mm256_madd_epi16(low, scales16), _mm256_slli_epi32(_mm256_madd_epi16(high, scales16), 15));
+}
+#endif
+
+// One Q6_K weight row (as stored) by `rows` activation rows of Q8_K or 14-bit blocks (A), into y
+// (rows `y_row` floats apart): each as ggml_vec_dot_q6_K_q8_K computes it alone (in 14 bits, in its
+// steps). Its lanes: lane j of each 32 bytes of quants sums bytes 4j..4j+3 times the scale of their
+// 16 (the first 16 bytes' scale in lanes 0-3), less 32 times the activations' sums of values
+// 32j..32j+31 times their scales.
+template <typename A>
 void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, const uint8_t* x, size_t x_row,
                        int64_t rows, float* y, int64_t y_row) {
     thread_local std::vector<__m256> scratch;
@@ -485,23 +622,33 @@ void vec_dot_rows_q6_K(const block_q6_K* w, int64_t blocks, const void* end, con
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
-            const auto* a = reinterpret_cast<const block_q8_K*>(x + r * x_row) + b;
+            const auto* a = reinterpret_cast<const A*>(x + r * x_row) + b;
 #ifdef VNNI_512
             __m512i wide = _mm512_setzero_si512();
-            for (int v = 0; v < 4; ++v) {  // each lane's 4 products fit 16 bits: times its scale in one step
-                const __m512i act = _mm512_loadu_si512(a->qs + 64 * v);
-                wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[v], act), scale2[v]);
+            if constexpr (std::is_same_v<A, block_q14>) {  // (the low bytes' products by the quants as signed bytes)
+                __m512i high = _mm512_setzero_si512();
+                for (int v = 0; v < 4; ++v) {
+                    const __m512i lo = _mm512_loadu_si512(a->lo + 64 * v), hi = _mm512_loadu_si512(a->hi + 64 * v);
+                    wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q2[v]), scale2[v]);
+                    high = _mm512_dpwssd_epi32(high, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[v], hi), scale2[v]);
+                }
+                wide = _mm512_add_epi32(wide, _mm512_slli_epi32(high, 7));
+            } else {
+                for (int v = 0; v < 4; ++v) {  // each lane's 4 products fit 16 bits: times its scale in one step
+                    const __m512i act = _mm512_loadu_si512(a->qs + 64 * v);
+                    wide = _mm512_dpwssd_epi32(wide, _mm512_dpbusd_epi32(_mm512_setzero_si512(), q2[v], act), scale2[v]);
+                }
             }
             __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
 #else
+            static_assert(std::is_same_v<A, block_q8_K>, "14-bit activations take VNNI");
             __m256i isum = _mm256_setzero_si256();
             for (int v = 0; v < 8; ++v) {  // (a lane's partial sums fit 16 bits: 2 x 63 x 128)
                 const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * v));
                 isum = scaled(isum, partial(_mm256_setzero_si256(), q[v], act), scale16[v]);
             }
 #endif
-            const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums));
-            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5));
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sums_by_scales(a, scales16), 5));
             const float dd = a->d * wd;
             sums[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(isum), sums[r]);
         }
@@ -691,6 +838,7 @@ const ggml_type_traits_cpu* traits(int64_t type) {
 struct Quantized {
     ggml_type type;
     const Interleaved* gemm;  // whole fours of rows in this gemm's layout; null: row by row
+    bool fine;                // in 14-bit blocks (block_q14) rather than `type`'s
     size_t row;               // bytes per row
     std::vector<uint8_t> data;
 };
@@ -699,7 +847,11 @@ struct Quantized {
 // llama.cpp quantizes them), else every row by itself.
 void quantize(const float* x, int64_t m, int64_t k, Quantized& q) {
     const auto* tq = ggml_get_type_traits_cpu(q.type);
+#ifdef VNNI_512
+    q.row = q.fine ? sizeof(block_q14) * static_cast<size_t>(k / QK_K) : ggml_row_size(q.type, k);
+#else
     q.row = ggml_row_size(q.type, k);
+#endif
     q.data.resize(q.row * static_cast<size_t>(m));
     uint8_t* xq = q.data.data();
     const int64_t fours = q.gemm ? m / GEMM_ROWS : 0;
@@ -713,6 +865,12 @@ void quantize(const float* x, int64_t m, int64_t k, Quantized& q) {
                 continue;
             }
             const int64_t row = fours * GEMM_ROWS + task - fours;
+#ifdef VNNI_512
+            if (q.fine) {
+                quantize_row_q14(x + row * k, reinterpret_cast<block_q14*>(xq + row * q.row), k);
+                continue;
+            }
+#endif
             if (tq->from_float != nullptr)
                 tq->from_float(x + row * k, xq + row * q.row, k);
             else  // (an f32 dot type)
@@ -748,6 +906,16 @@ struct Product {
 bool has_rows_kernel(const Product& p) {
 #if defined(__AVX2__)
     return p.il ? p.type == GGML_TYPE_Q4_K || p.type == GGML_TYPE_Q4_0 : p.type == GGML_TYPE_Q6_K;
+#else
+    return false;
+#endif
+}
+
+// Whether p's activations can go in 14 bits: Q4_K (interleaved) and Q6_K (as stored), where the
+// CPU has AVX-512 VNNI.
+bool takes_fine(const Product& p) {
+#ifdef VNNI_512
+    return p.il ? p.type == GGML_TYPE_Q4_K : p.type == GGML_TYPE_Q6_K;
 #else
     return false;
 #endif
@@ -905,12 +1073,20 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
             const uint8_t* w = p.w + col * p.w_row;
             const uint8_t* x = xq + r0 * p.x->row;
             float* y = p.y + r0 * p.n + col;
+            const auto* q4_K = reinterpret_cast<const block_q4_Kx8*>(w);
+            const auto* q6_K = reinterpret_cast<const block_q6_K*>(w);
             if (p.type == GGML_TYPE_Q4_0)
                 gemv_rows_q4_0(reinterpret_cast<const block_q4_0x8*>(w), k / QK4_0, end, x, p.x->row, r1 - r0, y, p.n);
+#ifdef VNNI_512
+            else if (p.x->fine && p.il)
+                gemv_rows_q4_K<block_q14>(q4_K, blocks, end, x, p.x->row, r1 - r0, y, p.n);
+            else if (p.x->fine)
+                vec_dot_rows_q6_K<block_q14>(q6_K, blocks, end, x, p.x->row, r1 - r0, y, p.n);
+#endif
             else if (p.il)
-                gemv_rows_q4_K(reinterpret_cast<const block_q4_Kx8*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
+                gemv_rows_q4_K<block_q8_K>(q4_K, blocks, end, x, p.x->row, r1 - r0, y, p.n);
             else
-                vec_dot_rows_q6_K(reinterpret_cast<const block_q6_K*>(w), blocks, end, x, p.x->row, r1 - r0, y, p.n);
+                vec_dot_rows_q6_K<block_q8_K>(q6_K, blocks, end, x, p.x->row, r1 - r0, y, p.n);
         }
         return;
     }
@@ -1043,7 +1219,7 @@ public:
         NODE_VALIDATION_CHECK(this,
                               (flag == ov::element::i64 || flag == ov::element::i32) &&
                                   get_input_partial_shape(1).compatible({1}),
-                              "gemm must be i64 [1]");
+                              "the flags must be i64 [1]");
         const auto& x = get_input_partial_shape(0);
         for (size_t i = 0; i < weights; ++i)
             set_output_type(i, ov::element::f32, weight_output(i, x));
@@ -1069,8 +1245,9 @@ public:
         const auto x_shape = x.get_shape();
         const int64_t k = static_cast<int64_t>(x_shape.back());
         const int64_t m = k ? static_cast<int64_t>(x.get_size()) / k : 0;
-        const bool gemm = inputs[1].get_element_type() == ov::element::i64 ? inputs[1].data<const int64_t>()[0] != 0
-                                                                           : inputs[1].data<const int32_t>()[0] != 0;
+        const int64_t flags = inputs[1].get_element_type() == ov::element::i64 ? inputs[1].data<const int64_t>()[0]
+                                                                              : inputs[1].data<const int32_t>()[0];
+        const bool gemm = (flags & GEMM) != 0, fine = !gemm && (flags & FINE) != 0;
         thread_local std::vector<Quantized> quantized;  // (scratch kept per calling thread)
         size_t kinds = 0;
         std::vector<Product> products(m_types.size());
@@ -1103,14 +1280,17 @@ public:
             }
             // The activations in this weight's dot type and layout, quantized once per call.
             const Interleaved* layout = p.gemm ? p.il : nullptr;
+            const bool p_fine = fine && takes_fine(p);
             size_t& found = inputs_of[i];
-            while (found < kinds && (quantized[found].type != p.tr->vec_dot_type || quantized[found].gemm != layout))
+            while (found < kinds && (quantized[found].type != p.tr->vec_dot_type || quantized[found].gemm != layout ||
+                                     quantized[found].fine != p_fine))
                 ++found;
             if (found == kinds) {
                 if (quantized.size() <= kinds)
                     quantized.resize(kinds + 1);
                 quantized[kinds].type = p.tr->vec_dot_type;
                 quantized[kinds].gemm = layout;
+                quantized[kinds].fine = p_fine;
                 quantize(x.data<const float>(), m, k, quantized[kinds++]);
             }
         }
@@ -1218,3 +1398,13 @@ extern "C" int specchat_prompt_tiles() {
 }
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<specchat::GgmlLinear>>()}));
+
+// 1 where the op multiplies Q4_K and Q6_K rows by activations in 14 bits when a pass's flags ask
+// for it (the CPU has AVX-512 VNNI), else 0.
+extern "C" int specchat_fine_activations() {
+#ifdef VNNI_512
+    return 1;
+#else
+    return 0;
+#endif
+}
