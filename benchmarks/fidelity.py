@@ -49,6 +49,7 @@ from tqdm import tqdm
 from benchmarks import llamacpp
 from benchmarks.bench import load_prompts, own_run
 from benchmarks.report import add_output_arguments, write_text
+from engine import ggml
 from engine.cli import ASSETS, run_cli
 from engine.core.chat import prompt_ids
 from engine.core.requests import Request
@@ -78,6 +79,7 @@ TEST_SECONDS = 10
 FILE_MODEL = "file (fp16)"
 GGUF = "gguf"
 ON_GGML = " · ggml kernels"
+FINE = ", 14-bit activations"
 LLAMACPP = "llama.cpp (GGUF)"
 COLUMNS = [
     Column("weights", "weights"),
@@ -315,13 +317,16 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     cache = cache_dir_from_args(args)
     precisions = args.precisions.split(",")
     irs = {p: target_ir(args, p, cache) for p in precisions}
-    # The `gguf` target also on ggml's kernels, as the app runs it where they are faster.
-    runs: dict[str, tuple[Path, Path | None]] = {p: (ir, None) for p, ir in irs.items()}
+    # The `gguf` target also on ggml's kernels, as the app runs it where they are faster, with
+    # activations in 8 bits and (where the CPU can) in 14.
+    runs: dict[str, tuple[Path, Path | None, int]] = {p: (ir, None, 8) for p, ir in irs.items()}
     if GGUF in precisions and (library := ggml_ir.for_model(_prepared(args, GGUF, cache), cache)) is not None:
-        runs[GGUF + ON_GGML] = (irs[GGUF], library)
+        runs[GGUF + ON_GGML] = (irs[GGUF], library, 8)
+        if ggml.fine_activations(library):
+            runs[GGUF + ON_GGML + FINE] = (irs[GGUF], library, 14)
     reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
-    rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _) in runs.items()}
+    rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _, _) in runs.items()}
 
     with tempfile.TemporaryDirectory() as folder:
         # The file model's log-probabilities over the text, for llama.cpp's own agreement with it.
@@ -349,12 +354,13 @@ def run_fidelity(args: argparse.Namespace) -> dict:
 def _against_the_file(
     args: argparse.Namespace,
     reference_ir: Path,
-    runs: dict[str, tuple[Path, Path | None]],
+    runs: dict[str, tuple[Path, Path | None, int]],
     rows: dict[str, dict],
     base: Path | None,
 ) -> None:
     """Fill in each target's agreement with the file's model and the perplexities (``runs``: each
-    row's IR and the ggml op's library it runs on, or None for the plugin's kernels); with ``base``,
+    row's IR, the ggml op's library it runs on or None for the plugin's kernels, and the activations'
+    bits there); with ``base``,
     the file model's log-probabilities over the text are written there (:func:`text_scores`)."""
     tokenizer = auto_tokenizer(reference_ir)
     text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
@@ -363,8 +369,8 @@ def _against_the_file(
     ref_positions = {name: ref["positions"][name] for name in sequences}
     if "perplexity" in args.measures:
         rows[FILE_MODEL]["perplexity"] = ref["perplexity"]
-    for weights, (ir, library) in runs.items():
-        model, row = Runtime(ir, config=EXACT_CONFIG, kernels=library), rows[weights]
+    for weights, (ir, library, bits) in runs.items():
+        model, row = Runtime(ir, config=EXACT_CONFIG, kernels=library, activations=bits), rows[weights]
         deltas: list[float] = []
         for name in sequences:
             row[f"top1_{name}"], d = agreement(ref_positions[name], model, sequences[name])
