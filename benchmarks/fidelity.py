@@ -79,7 +79,7 @@ TEST_SECONDS = 10
 FILE_MODEL = "file (fp16)"
 GGUF = "gguf"
 ON_GGML = " · ggml kernels"
-FINE = ", 14-bit activations"
+IN_14_BITS = ", 14-bit activations"
 LLAMACPP = "llama.cpp (GGUF)"
 COLUMNS = [
     Column("weights", "weights"),
@@ -323,7 +323,7 @@ def run_fidelity(args: argparse.Namespace) -> dict:
     if GGUF in precisions and (library := ggml_ir.for_model(_prepared(args, GGUF, cache), cache)) is not None:
         runs[GGUF + ON_GGML] = (irs[GGUF], library, 8)
         if ggml.fine_activations(library):
-            runs[GGUF + ON_GGML + FINE] = (irs[GGUF], library, 14)
+            runs[GGUF + ON_GGML + IN_14_BITS] = (irs[GGUF], library, 14)
     reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
     rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
     rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _, _) in runs.items()}
