@@ -444,6 +444,23 @@ def test_a_runtime_asks_for_14_bit_activations_where_the_cpu_has_them_and_says_s
         Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=12)
 
 
+def test_an_engine_on_a_cpu_without_14_bit_activations_says_so_once(gguf_target, library, monkeypatch, caplog):
+    monkeypatch.setattr(ggml, "fine_activations", lambda library: False)
+    with caplog.at_level(logging.WARNING, logger="specchat.engine"):
+        engine = Engine(
+            gguf_target,
+            gguf_target,
+            config=EXACT_CONFIG,
+            kernels="ggml",
+            library=library,
+            activations=14,
+            prompt_reader="off",
+        )
+    assert caplog.text.count("AVX-512 VNNI") == 1
+    assert "14-bit" not in engine.models["target"] + engine.models["draft"]
+    engine.close()
+
+
 def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_target, library, caplog):
     with caplog.at_level(logging.INFO, logger="specchat.engine"):
         engine = Engine(gguf_target, None, config=EXACT_CONFIG, kernels="auto", library=library, prompt_reader="off")

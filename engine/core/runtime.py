@@ -77,15 +77,15 @@ def model_label(ir_dir: Path, hf_config: dict) -> str:
     return Path(str(hf_config.get("_name_or_path") or ir_dir)).name
 
 
-def activation_flags(bits: int, library: Path) -> int:
-    """The flags of a pass on the op in ``library`` with activations of ``bits`` asked for
-    (engine.ggml.ACTIVATIONS): FINE for 14; where the CPU cannot, 8-bit ones, with a warning."""
+def supported_activations(bits: int, library: Path) -> int:
+    """The bits the op in ``library`` multiplies by when ``bits`` are asked for
+    (engine.ggml.ACTIVATIONS): where the CPU cannot do 14, 8, with a warning."""
     if bits not in ggml.ACTIVATIONS:
         raise EngineError(f"activations of {bits} bits: choose one of {', '.join(map(str, ggml.ACTIVATIONS))}")
     if bits == 14 and not ggml.fine_activations(library):
         log.warning("14-bit activations take AVX-512 VNNI, which this CPU lacks: 8-bit ones, as llama.cpp's")
-        return 0
-    return ggml.FINE if bits == 14 else 0
+        return 8
+    return bits
 
 
 class Runtime:
@@ -141,7 +141,7 @@ class Runtime:
         if kernels is not None:  # (the IR's graph whose linear layers run ggml's kernels)
             ggml.register(core, kernels)
             xml, self.kernels = self.ir_dir / GGML_XML, "ggml"
-            self._flags = activation_flags(activations, kernels)
+            self._flags = ggml.FINE if supported_activations(activations, kernels) == 14 else 0
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:

@@ -34,7 +34,7 @@ from engine.core.pacing import BatchPrices, Pacing, PassCosts
 from engine.core.pool import Pools
 from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, GemmReader, PromptReader, Reader, fastest_reader
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
-from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime
+from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
@@ -107,6 +107,8 @@ class Engine:
         (``engine.prepare`` checks it)."""
 
         return_freed_buffers()
+        if library is not None:  # (checked once here, so that a CPU without 14 bits warns once)
+            activations = supported_activations(activations, library)
         self.tokenizer = auto_tokenizer(target_dir)
         before = resident_bytes()
         target_config = TARGET_CONFIG if config is None else config
