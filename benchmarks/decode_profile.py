@@ -2,15 +2,16 @@
 
     python -m benchmarks.decode_profile [--steps 64] [--rounds 3] [--json OUT] [--table OUT]
 
-A decode step on a memory-bound CPU reads every weight once, so its floor is the weight bytes
-over the machine's read bandwidth. For our target (a raw ``Runtime`` with the engine's
-settings) and for plain llama.cpp on the GGUF it was made from, both on every core, this
-prints the time per token after a chat prompt, the weight bytes a step reads (every weight but
-the embedding table, of which a step gathers one row), the bandwidth that makes and its share
-of the machine's: numpy sums over 1 GiB on as many threads as cores. Our step is then taken
-apart with the plugin's per-node counters (``PERF_COUNT``), summed by node type; what the
-counters do not cover is the time outside the graph (the Python loop, the plugin's per-call
-work); the counters may overlap, so their sum is printed beside the step's wall time.
+A decode step on a memory-bound CPU reads every weight once, so its floor is the weight bytes over
+the machine's read bandwidth. For our target (a raw ``Runtime`` with the engine's settings, on each
+kernels it runs: the plugin's; ggml's where it came from a GGUF, with 8-bit activations and, where
+the CPU has AVX-512 VNNI, 14-bit ones) and for plain llama.cpp on the GGUF it was made from, both on
+every core, this prints the time per token after a chat prompt, the weight bytes a step reads (every
+weight but the embedding table, of which a step gathers one row), the bandwidth that makes and its
+share of the machine's: numpy sums over 1 GiB on as many threads as cores. Our step is then taken
+apart with the plugin's per-node counters (``PERF_COUNT``), summed by node type; what the counters
+do not cover is the time outside the graph (the Python loop, the plugin's per-call work); the
+counters may overlap, so their sum is printed beside the step's wall time.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
 from engine.prepare import ggml_ir
-from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
+from engine.prepare.pipeline import PreparedModel, add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table
 
+Kernels = tuple[Path | None, int]  # the op's library (None: the plugin's kernels), activation bits
 COLUMNS = [
     Column("engine", "engine"),
     Column("ms per token", "ms_per_token", "{:.1f}"),
@@ -137,12 +139,25 @@ def timed_steps(runtime: Runtime, prompt: list[int], steps: int, after_step=lamb
     return seconds
 
 
-def node_profile(target: Path, prompt: list[int], steps: int, library: Path | None) -> tuple[list[dict], float]:
+def kernel_variants(target: PreparedModel, cache_dir: Path) -> list[Kernels]:
+    """Each kernels our target can run on: the plugin's, and ggml's where it came from a GGUF, in
+    8-bit activations and in 14 where the CPU can."""
+    library = ggml_ir.for_model(target, cache_dir)
+    if library is None:
+        return [(None, 8)]
+    return [(None, 8), (library, 8), *([(library, 14)] if ggml.fine_activations(library) else [])]
+
+
+def target_runtime(target: Path, kernels: Kernels, config: dict = TARGET_CONFIG) -> Runtime:
+    library, bits = kernels
+    return Runtime(target, config=config, first_token_alone=True, kernels=library, activations=bits)
+
+
+def node_profile(target: Path, prompt: list[int], steps: int, kernels: Kernels) -> tuple[list[dict], float]:
     """Our step's time by node type (the plugin's counters; types under 1% of them together as
     "other"; the op on ggml's kernels is a "Reference" node), and the step's wall time, both in
     ms per step."""
-    config = {**TARGET_CONFIG, "PERF_COUNT": True}
-    runtime = Runtime(target, config=config, first_token_alone=True, kernels=library)
+    runtime = target_runtime(target, kernels, {**TARGET_CONFIG, "PERF_COUNT": True})
     by_type: dict[str, float] = defaultdict(float)
 
     def tally() -> None:
@@ -168,35 +183,32 @@ def profile(args: argparse.Namespace) -> None:
     prompt = chat.prompt_ids(auto_tokenizer(target.path), [{"role": "user", "content": question}])
     limit = read_bandwidth(threads)
     cache_dir = cache_dir_from_args(args)
-    # Each kernels our target can run on (ggml's where it came from a GGUF), timed without the
-    # counters (they cost time of their own; the profiled runs come after), in rounds that
-    # alternate with llama.cpp's: this VM's speed drifts within minutes, so each round's ratio is
-    # taken within the round, and the medians over rounds are reported.
-    libraries = [None, *filter(None, [ggml_ir.for_model(target, cache_dir)])]
-    runtimes = {
-        library: Runtime(target.path, config=TARGET_CONFIG, first_token_alone=True, kernels=library)
-        for library in libraries
-    }
+    # Each kernels our target can run on, timed without the counters (they cost time of their own;
+    # the profiled runs come after), in rounds that alternate with llama.cpp's: this VM's speed
+    # drifts within minutes, so each round's ratio is taken within the round, and the medians over
+    # rounds are reported.
+    variants = kernel_variants(target, cache_dir)
+    runtimes = {kernels: target_runtime(target.path, kernels) for kernels in variants}
     gguf = llamacpp.gguf_file(args.target, cache_dir)
     peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache_dir), gguf, threads=threads)
-    ours: dict[Path | None, list[float]] = {library: [] for library in libraries}
+    ours: dict[Kernels, list[float]] = {kernels: [] for kernels in variants}
     rounds: list[float] = []  # llama.cpp's per round
     try:
         peer.run(prompt, args.steps, None)  # its warm-up
         for _ in range(args.rounds):
-            for library, runtime in runtimes.items():
+            for kernels, runtime in runtimes.items():
                 runtime.reset()
-                ours[library].append(statistics.median(timed_steps(runtime, prompt, args.steps)))
+                ours[kernels].append(statistics.median(timed_steps(runtime, prompt, args.steps)))
             peer.run(prompt, args.steps, None)
             rounds.append(peer.timings["predicted_per_token_ms"] / 1000)
     finally:
         peer.close()
-    labels = {library: runtime.label for library, runtime in runtimes.items()}
+    labels = {kernels: runtime.label for kernels, runtime in runtimes.items()}
     del runtimes
     rows = []
     measured = [
-        (f"ours ({labels[library]})", per_round, ir_weight_bytes(target.path, library))
-        for library, per_round in ours.items()
+        (f"ours ({labels[kernels]})", per_round, ir_weight_bytes(target.path, kernels[0]))
+        for kernels, per_round in ours.items()
     ]
     for name, per_round, weights in [*measured, ("llama.cpp (Q4_K_M GGUF)", rounds, gguf_weight_bytes(gguf))]:
         seconds = statistics.median(per_round)
@@ -215,8 +227,8 @@ def profile(args: argparse.Namespace) -> None:
         )
     text = f"Read bandwidth: {limit / 1e9:.1f} GB/s ({threads} threads)\n\n{markdown_table(rows, COLUMNS)}"
     profiles = {}
-    for library, label in labels.items():
-        by_node, step_ms = node_profile(target.path, prompt, args.steps, library)
+    for kernels, label in labels.items():
+        by_node, step_ms = node_profile(target.path, prompt, args.steps, kernels)
         profiles[label] = {"profile": by_node, "step_ms": step_ms}
         text += (
             f"\n\nOur step ({label}) by node type, the plugin's counters ({args.steps} steps; they add up to "

@@ -1,6 +1,7 @@
-"""One layer seven ways, in one run: the GgmlLinear op inside an OpenVINO graph (interleaved rows
-as decoding and verifying run them: ggml's gemv at one row, the op's own kernel with gemv's bits
-over several), its batched kernels as the prompt reader runs them on interleaved rows
+"""One layer seven ways (eight where the CPU has AVX-512 VNNI), in one run: the GgmlLinear op
+inside an OpenVINO graph (interleaved rows as decoding and verifying run them: ggml's gemv at one
+row, the op's own kernel with gemv's bits over several; so with 14-bit activations too, where the
+CPU has them), its batched kernels as the prompt reader runs them on interleaved rows
 and on rows as stored (the AMX tiles in bf16 from 32 rows where the CPU has them), ggml's vec_dot
 row by row on the rows as stored; its weights on huge pages), the plugin's compressed
 FullyConnected on the same blocks (the `gguf` form) and ggml's own mul_mat, plain and on repacked
@@ -45,6 +46,7 @@ from engine.report import Column, markdown_table
 
 ROWS = (1, 5, 64, 256)
 OP = "GgmlLinear op: interleaved rows, each a one-row gemv's bits (decoding, verifying)"
+OP_FINE = "GgmlLinear op: the same, 14-bit activations (--activations 14)"
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
 OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
@@ -91,10 +93,11 @@ def timed(compiled: ov.CompiledModel, x: np.ndarray, reps: int) -> tuple[float, 
     return best, request.get_output_tensor(0).data.copy()
 
 
-def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path, interleave: bool, gemm: bool) -> ov.Model:
-    """The op on each weight, its weights on huge pages as the engine keeps them."""
+def op_model(weights: list[gguf.ReaderTensor], k: int, library: Path, interleave: bool, flags: int) -> ov.Model:
+    """The op on each weight with a pass's ``flags`` (engine.ggml.GEMM, FINE), its weights on
+    huge pages as the engine keeps them."""
     x = ops.parameter([-1, k], ov.Type.f32)
-    flag = ops.constant(np.array([int(gemm)], dtype=np.int64)).output(0)
+    flag = ops.constant(np.array([flags], dtype=np.int64)).output(0)
     outs = [ggml.linears(x.output(0), [(blocks(t), int(t.tensor_type))], library, interleave, flag)[0] for t in weights]
     model = ov.Model(outs, [x])
     hugepages.move_weights(model)
@@ -172,13 +175,14 @@ def probe(args: argparse.Namespace) -> None:
     print(f"{len(raw)} layers of {raw[0].shape[0]}x{k} Q4_K: {megabytes:.0f} MB, L3 {l3_bytes() / 1e6:.0f} MB")
     core = ov.Core()
     ggml.register(core, library)
+    ways = {OP: (True, 0), OP_GEMM: (True, ggml.GEMM), OP_STORED: (False, 0), OP_STORED_BATCHED: (False, ggml.GEMM)}
+    if ggml.fine_activations(library):
+        ways[OP_FINE] = (True, ggml.FINE)
     compiled = {
-        OP: core.compile_model(op_model(weights, k, library, True, False), "CPU", TARGET_CONFIG),
-        OP_GEMM: core.compile_model(op_model(weights, k, library, True, True), "CPU", TARGET_CONFIG),
-        OP_STORED: core.compile_model(op_model(weights, k, library, False, False), "CPU", TARGET_CONFIG),
-        OP_STORED_BATCHED: core.compile_model(op_model(weights, k, library, False, True), "CPU", TARGET_CONFIG),
-        PLUGIN: core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG),
+        name: core.compile_model(op_model(weights, k, library, interleave, flags), "CPU", TARGET_CONFIG)
+        for name, (interleave, flags) in ways.items()
     }
+    compiled[PLUGIN] = core.compile_model(plugin_model(weights, k), "CPU", TARGET_CONFIG)
     probe_library = ggml_library(library)
     tiles = ggml.prompt_tiles(library)
     rng = np.random.default_rng(0)
@@ -213,12 +217,15 @@ def probe(args: argparse.Namespace) -> None:
             checks[f"{m} rows: op's batched kernels on rows as stored == ggml, bit for bit"] = bool(
                 np.array_equal(out[OP_STORED_BATCHED], out[GGML])
             )
-        checks[f"{m} rows: op against the plugin, largest difference relative to the largest output"] = float(
-            np.abs(out[OP] - out[PLUGIN]).max() / np.abs(out[PLUGIN]).max()
-        )
-        if m > 1:
-            alone = timed(compiled[OP], x[:1], 1)[1]
-            checks[f"{m} rows: op's first row == at 1 row, bit for bit"] = bool(np.array_equal(out[OP][:1], alone))
+        for name in (OP, OP_FINE) if OP_FINE in out else (OP,):
+            checks[f"{m} rows: {name} against the plugin, largest difference relative to the largest output"] = float(
+                np.abs(out[name] - out[PLUGIN]).max() / np.abs(out[PLUGIN]).max()
+            )
+            if m > 1:
+                alone = timed(compiled[name], x[:1], 1)[1]
+                checks[f"{m} rows: {name}, first row == at 1 row, bit for bit"] = bool(
+                    np.array_equal(out[name][:1], alone)
+                )
     for row in rows.values():
         for m in ROWS:
             row[f"vs_ggml_{m}"] = row[f"ms_{m}"] / rows[GGML_REPACKED][f"ms_{m}"]
