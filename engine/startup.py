@@ -66,7 +66,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ACTIVATIONS,
         default=int(os.environ.get("SPECCHAT_ACTIVATIONS", "8")),
         help="bits per activation ggml's kernels multiply the GGUF's Q4_K and Q6_K blocks by: 8 as llama.cpp does, "
-        "or 14 (on CPUs with AVX-512 VNNI): the file's model to a finer rounding, about a tenth slower "
+        "or 14 (on CPUs with AVX-512 VNNI): the file's model to a finer rounding, best about a fifth slower on code "
         "(default: $SPECCHAT_ACTIVATIONS, else 8)",
     )
     parser.add_argument(
