@@ -206,9 +206,9 @@ def profile(args: argparse.Namespace) -> None:
     labels = {kernels: runtime.label for kernels, runtime in runtimes.items()}
     del runtimes
     rows = []
+    graph_bytes = {library: ir_weight_bytes(target.path, library) for library, _ in variants}  # (once per graph)
     measured = [
-        (f"ours ({labels[kernels]})", per_round, ir_weight_bytes(target.path, kernels[0]))
-        for kernels, per_round in ours.items()
+        (f"ours ({labels[kernels]})", per_round, graph_bytes[kernels[0]]) for kernels, per_round in ours.items()
     ]
     for name, per_round, weights in [*measured, ("llama.cpp (Q4_K_M GGUF)", rounds, gguf_weight_bytes(gguf))]:
         seconds = statistics.median(per_round)
