@@ -106,18 +106,21 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
 
 
 def spread_rows(count: int, seed: int) -> np.ndarray:
-    """Activation rows from 1e-3 to 1e3 in scale, one of them with an outlier as LLMs' have."""
+    """Activation rows from 1e-3 to 1e3 in scale, every other one with a huge channel (60 times the
+    rest's spread) as LLMs' have."""
     scales = np.geomspace(1e-3, 1e3, count)[:, None]
     x = (np.random.default_rng(seed).standard_normal((count, K)) * scales).astype(np.float32)
-    x[3, 7] = 500.0
+    x[::2, 7] = 60 * scales[::2, 0]
     return x
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K])
-def test_activations_in_14_bits_give_the_product_finer_and_a_row_alike_at_any_width(library, kind):
-    """With FINE the op's own Q4_K and Q6_K kernels take the activations in 14 bits: each row
-    nearer the exact product than with 8 (a value rounds 64 times finer), and still the same bit
-    for bit at any pass width and thread count, so greedy speculative output stays exact."""
+def test_activations_in_14_bits_give_blocks_with_a_huge_channel_finer_and_a_row_alike_at_any_width(library, kind):
+    """With FINE the op's own Q4_K and Q6_K kernels take a block of activations whose largest
+    value stands out in 14 bits, other blocks in 8 as Q8_K: rows with a huge channel come out
+    nearer the exact product than with Q8_K (the rest of their block rounds 64 times finer), the
+    others as near, and every row the same bit for bit at any pass width and thread count, so
+    greedy speculative output stays exact."""
     if not ggml.fine_activations(library):
         pytest.skip("14-bit activations take AVX-512 VNNI")
     rows = random_rows(kind, N, K, seed=3)
@@ -133,8 +136,8 @@ def test_activations_in_14_bits_give_the_product_finer_and_a_row_alike_at_any_wi
     def error(y: np.ndarray) -> np.ndarray:  # per row, against its largest output
         return np.abs(y - exact).max(1) / np.abs(exact).max(1)
 
-    coarse = error(compiled(library, rows, kind)({0: x})[0])
-    assert error(alone).max() < 1e-3 and np.median(coarse / error(alone)) > 20
+    gain = error(compiled(library, rows, kind)({0: x})[0]) / error(alone)
+    assert np.median(gain[::2]) > 5 and 0.5 < np.median(gain[1::2]) < 2
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0, Q.Q5_K])
