@@ -64,10 +64,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--activations",
         type=int,
         choices=ACTIVATIONS,
-        default=int(os.environ.get("SPECCHAT_ACTIVATIONS", "8")),
+        default=int(os.environ["SPECCHAT_ACTIVATIONS"]) if os.environ.get("SPECCHAT_ACTIVATIONS") else None,
         help="bits per activation ggml's kernels multiply the GGUF's Q4_K and Q6_K blocks by: 8 as llama.cpp does, "
-        "or 14 (on CPUs with AVX-512 VNNI): the file's model to a finer rounding, best about a fifth slower on code "
-        "(default: $SPECCHAT_ACTIVATIONS, else 8)",
+        "or 14 in the blocks whose largest value stands out (CPUs with AVX-512 VNNI): the file's model to a finer "
+        "rounding, a few percent slower (default: $SPECCHAT_ACTIVATIONS, else 14 where the CPU can, 8 elsewhere)",
     )
     parser.add_argument(
         "--batch-speculation",
@@ -101,7 +101,7 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         batch_speculation=getattr(args, "batch_speculation", "on") == "on",
         kernels=getattr(args, "kernels", "auto"),
         library=library,
-        activations=getattr(args, "activations", 8),
+        activations=getattr(args, "activations", None),
     )
 
 

@@ -458,14 +458,19 @@ def test_greedy_speculative_equals_autoregressive_on_ggml_kernels(gguf_target, l
         assert sd == ar and stats.drafted > 0
 
 
-def test_a_runtime_asks_for_14_bit_activations_where_the_cpu_has_them_and_says_so(
+def test_a_runtime_takes_14_bit_activations_by_default_where_the_cpu_has_them_and_warns_only_if_asked(
     gguf_target, library, monkeypatch, caplog
 ):
     fine = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=14)
     assert fine.pass_inputs()[ggml.GEMM_INPUT][0] == (ggml.FINE if ggml.fine_activations(library) else 0)
     assert ("14-bit activations" in fine.label) == ggml.fine_activations(library)
     assert fine.pass_inputs(gemm=True)[ggml.GEMM_INPUT][0] == ggml.GEMM
+    finest = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library)  # (the default: the finest there is)
+    assert finest.pass_inputs()[ggml.GEMM_INPUT][0] == fine.pass_inputs()[ggml.GEMM_INPUT][0]
     monkeypatch.setattr(ggml, "fine_activations", lambda library: False)
+    with caplog.at_level(logging.WARNING, logger="specchat.engine"):
+        finest = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library)
+    assert finest.pass_inputs()[ggml.GEMM_INPUT][0] == 0 and "VNNI" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="specchat.engine"):
         coarse = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=14)
     assert coarse.pass_inputs()[ggml.GEMM_INPUT][0] == 0 and "AVX-512 VNNI" in caplog.text

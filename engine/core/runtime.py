@@ -77,9 +77,12 @@ def model_label(ir_dir: Path, hf_config: dict) -> str:
     return Path(str(hf_config.get("_name_or_path") or ir_dir)).name
 
 
-def supported_activations(bits: int, library: Path) -> int:
+def supported_activations(bits: int | None, library: Path) -> int:
     """The bits the op in ``library`` multiplies by when ``bits`` are asked for
-    (engine.ggml.ACTIVATIONS): where the CPU cannot do 14, 8, with a warning."""
+    (engine.ggml.ACTIVATIONS; None: the finest this CPU has): where the CPU cannot do 14, 8, with
+    a warning."""
+    if bits is None:
+        return 14 if ggml.fine_activations(library) else 8
     if bits not in ggml.ACTIVATIONS:
         raise EngineError(f"activations of {bits} bits: choose one of {', '.join(map(str, ggml.ACTIVATIONS))}")
     if bits == 14 and not ggml.fine_activations(library):
@@ -102,7 +105,7 @@ class Runtime:
         pass_width: int = 1,
         first_token_alone: bool = False,
         kernels: Path | None = None,
-        activations: int = 8,
+        activations: int | None = None,
     ):
         """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
 
@@ -110,7 +113,8 @@ class Runtime:
         linear layers run ggml's kernels on the GGUF's own blocks is read (engine.prepare.ggml_ir)
         instead of the one the plugin's kernels run. ``activations``: on those, the bits the op's
         own Q4_K and Q6_K kernels multiply by (engine.ggml.ACTIVATIONS): 8 as llama.cpp does, or 14
-        where the CPU can (else 8, with a warning), nearer the file's model and slower.
+        in the blocks that need them where the CPU can (else 8, with a warning), nearer the file's
+        model and slightly slower; None: 14 where the CPU can, else 8.
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
         copying the cache. For the draft, copying every state out and back in costs about a third

@@ -81,7 +81,7 @@ class Engine:
         batch_speculation: bool = True,
         kernels: str = "openvino",
         library: Path | None = None,
-        activations: int = 8,
+        activations: int | None = None,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
