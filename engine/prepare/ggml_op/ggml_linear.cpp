@@ -18,8 +18,9 @@
 // the op's own kernels, which share each block's unpacking among a pass's rows and give every row
 // what ggml's one-row kernel gives it (gemv for interleaved weights, vec_dot for rows as stored),
 // bit for bit; other types go row by row through those. With FINE, the op's own Q4_K and Q6_K
-// kernels take the activations in 14 bits instead (on AVX-512 VNNI), each row still alike at any
-// width: the file's model to rounding 64 times finer, at about twice the multiply-adds.
+// kernels take a block of activations whose largest value stands out in 14 bits instead (on
+// AVX-512 VNNI; block_q14), each row still alike at any width: the file's model to a rounding 64
+// times finer where an LLM's huge activation channels would leave Q8_K a handful of levels.
 // With GEMM (prompt passes), ggml's batched
 // kernels take over where they are faster: its own mul_mat for rows as stored (its tiled kernels
 // for the K-quants from 8 rows on, as llama.cpp reads a prompt through a Q6_K weight), Q4_K rows
