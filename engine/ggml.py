@@ -25,11 +25,12 @@ INTERLEAVE = 8
 GGML_XML = "openvino_model_ggml3.xml"
 # Its input of a pass's flags (engine.core.runtime sets it on every pass): GEMM turns ggml's batched
 # kernels on (its gemm, its tiled mul_mat: a prompt reader's passes); FINE multiplies Q4_K and Q6_K
-# rows by activations in 14 bits rather than 8 where the CPU can (:func:`fine_activations`).
+# rows by activations in 14 bits rather than 8 in the blocks whose largest value stands out, where
+# the CPU can (:func:`fine_activations`).
 GEMM_INPUT = "ggml_gemm"
 GEMM, FINE = 1, 2
 # Bits per activation the op's own kernels can multiply Q4_K and Q6_K rows by: 8 (Q8_K, as llama.cpp
-# does) or 14 (FINE).
+# does) or 14 where a block needs them (FINE; the default where the CPU can).
 ACTIVATIONS = (8, 14)
 
 
