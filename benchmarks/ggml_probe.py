@@ -200,9 +200,13 @@ def probe(args: argparse.Namespace) -> None:
         for name, repacked in ((GGML, False), (GGML_REPACKED, True)):
             seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
             rows[name][f"ms_{m}"] = 1000 * seconds
-        checks[f"{m} rows: op == ggml repacked (its gemv below 4 rows, its gemm from 4), bit for bit"] = bool(
-            np.array_equal(out[OP], out[GGML_REPACKED])
-        )
+        if m < 4:  # (its gemv; from 4 rows its gemm, whose rows round with where they fall in a pass)
+            checks[f"{m} rows: op == ggml repacked (its gemv), bit for bit"] = bool(
+                np.array_equal(out[OP], out[GGML_REPACKED])
+            )
+        else:
+            difference = np.abs(out[OP] - out[GGML_REPACKED]).max() / np.abs(out[GGML_REPACKED]).max()
+            checks[f"{m} rows: op against ggml repacked (its gemm), relative to the largest output"] = float(difference)
         checks[f"{m} rows: op on rows as stored == ggml, bit for bit"] = bool(np.array_equal(out[OP_STORED], out[GGML]))
         if tiles and m >= TILE_ROWS:  # (bf16 inputs: within their rounding, not ggml's bits)
             for name in (OP_GEMM, OP_STORED_BATCHED):
