@@ -13,8 +13,9 @@ The weights are the default target's own ffn_up and ffn_gate (1536 -> 8960, Q4_K
 enough layers that they come from DRAM as in a decode step (their bytes against the L3 cache are
 printed). Each way computes all the layers one after another on as many threads as the machine has
 cores; the time per layer is that over the layer count, the best of ``--reps``; "in 1-row calls"
-is a pass's time over its 1-row time. The op's rows are checked against ggml's bit for bit (on
-the AMX tiles, within bf16's rounding) and the plugin's within its rounding.
+is a pass's time over its 1-row time. The op's rows are checked against ggml's bit for bit where
+ggml computes a row alone (its gemv, its vec_dot), else within their rounding (ggml's gemm; the
+AMX tiles, bf16's), and against the plugin's within its rounding.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from engine.report import Column, markdown_table
 ROWS = (1, 5, 64, 256)
 OP = "GgmlLinear op: interleaved rows, each a one-row gemv's bits (decoding, verifying)"
 HUGE_CHANNEL = 7  # an activation channel 60 times the others' spread, as LLMs have a few
+GEMM_ROWS = 4  # from this many rows ggml's repacked mul_mat runs its gemm, below its gemv
 OP_FINE = "GgmlLinear op: the same, 14-bit activations (--activations 14)"
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
@@ -200,7 +202,7 @@ def probe(args: argparse.Namespace) -> None:
         for name, repacked in ((GGML, False), (GGML_REPACKED, True)):
             seconds, out[name] = ggml_mul_mat(probe_library, raw, kind, x, args.reps, repacked)
             rows[name][f"ms_{m}"] = 1000 * seconds
-        if m < 4:  # (its gemv; from 4 rows its gemm, whose rows round with where they fall in a pass)
+        if m < GEMM_ROWS:  # (from there its gemm, whose rows round with where they fall in a pass)
             checks[f"{m} rows: op == ggml repacked (its gemv), bit for bit"] = bool(
                 np.array_equal(out[OP], out[GGML_REPACKED])
             )
