@@ -15,6 +15,7 @@ from benchmarks import chaos
 from benchmarks.chromium import ANSWERS, CHROMIUM, chromium, open_page, send
 from engine.core.budget import GIB
 from engine.core.memory import resident_bytes
+from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.service import Engine
 
@@ -82,13 +83,14 @@ def test_the_page_answers_a_question_with_every_setting_as_it_came_and_shows_its
 @pytest.fixture(scope="module")
 def tight_engine(real_pair):
     """The real pair on a budget of its models plus 1 GiB (what this process held before them
-    aside)."""
+    aside). Memory is what it tests: its paced mode prices rounds by no timing (``Pacing()``), so
+    neither engine spends a minute timing passes."""
     before = resident_bytes()
-    probe = Engine(*real_pair, prompt_reader="off")
+    probe = Engine(*real_pair, prompt_reader="off", pacing=Pacing())
     models = probe.budget.base - before
     probe.close()
     del probe
-    engine = Engine(*real_pair, memory_limit=resident_bytes() + models + GIB, prompt_reader="off")
+    engine = Engine(*real_pair, memory_limit=resident_bytes() + models + GIB, prompt_reader="off", pacing=Pacing())
     yield engine
     engine.close()
 
