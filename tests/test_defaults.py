@@ -83,8 +83,8 @@ def test_the_page_answers_a_question_with_every_setting_as_it_came_and_shows_its
 @pytest.fixture(scope="module")
 def tight_engine(real_pair):
     """The real pair on a budget of its models plus 1 GiB (what this process held before them
-    aside). Memory is what it tests: its paced mode prices rounds by no timing (``Pacing()``), so
-    neither engine spends a minute timing passes."""
+    aside). Memory is what it tests, so neither engine times its passes at start (``Pacing()``:
+    every paced round may pay)."""
     before = resident_bytes()
     probe = Engine(*real_pair, prompt_reader="off", pacing=Pacing())
     models = probe.budget.base - before
