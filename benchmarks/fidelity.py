@@ -53,7 +53,7 @@ from engine import ggml
 from engine.cli import ASSETS, run_cli
 from engine.core.chat import prompt_ids
 from engine.core.requests import Request
-from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.runtime import EXACT_CONFIG, IN_14_BITS, ON_GGML, Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
@@ -78,8 +78,6 @@ ANSWER_TOKENS = 384
 TEST_SECONDS = 10
 FILE_MODEL = "file (fp16)"
 GGUF = "gguf"
-ON_GGML = " · ggml kernels"
-IN_14_BITS = ", 14-bit activations"
 LLAMACPP = "llama.cpp (GGUF)"
 COLUMNS = [
     Column("weights", "weights"),
@@ -432,6 +430,7 @@ def _answer_with(args: argparse.Namespace, precision: str, items: list[Problem])
             return run.text, run.new_tokens, run.wall_s
 
         name = precision + (ON_GGML if engine.target.kernels == "ggml" else "")
+        name += IN_14_BITS if engine.target.activations == 14 else ""
         return (name, *answer_all(ours, items, f"best {name}"))
 
 

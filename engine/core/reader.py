@@ -35,7 +35,7 @@ from openvino._offline_transformations import stateful_to_stateless_transformati
 from engine import ggml
 from engine.core import graph
 from engine.core.reading import READ_PASS, SHORTEST_RUN, ReadPass, ReadPath
-from engine.core.runtime import Runtime
+from engine.core.runtime import ON_GGML, Runtime
 from engine.ggml import GEMM, GEMM_INPUT
 
 # What a reader's pass grows the process by, per byte of the cache it reads into: its output (a
@@ -127,7 +127,7 @@ class Reader(PromptReader):
         shared = on.model if on is not None else None
         if shared is not None:
             model = shared.clone()  # (its passes set GEMM_INPUT)
-            self.label = precision + " · ggml kernels"
+            self.label = precision + ON_GGML
         else:
             model = core.read_model(Path(ir_dir) / "openvino_model.xml")
             graph.slice_logits(model)

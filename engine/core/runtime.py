@@ -24,6 +24,9 @@ from engine.ggml import GEMM_INPUT, GGML_XML
 
 log = logging.getLogger("specchat.engine")
 
+# What a label adds on ggml's kernels, and with 14-bit activations on them.
+ON_GGML = " · ggml kernels"
+IN_14_BITS = ", 14-bit activations"
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
 # on this CPU that cuts a decode step by a quarter against the plugin's default of 32
@@ -141,11 +144,13 @@ class Runtime:
         xml = self.ir_dir / "openvino_model.xml"
         self.kernels = "openvino"
         self.library = kernels
+        self.activations: int | None = None  # the op's activation bits, on ggml's kernels
         self._flags = 0  # every pass's flags on ggml's kernels (engine.ggml.GEMM_INPUT), but GEMM
         if kernels is not None:  # (the IR's graph whose linear layers run ggml's kernels)
             ggml.register(core, kernels)
             xml, self.kernels = self.ir_dir / GGML_XML, "ggml"
-            self._flags = ggml.FINE if supported_activations(activations, kernels) == 14 else 0
+            self.activations = supported_activations(activations, kernels)
+            self._flags = ggml.FINE if self.activations == 14 else 0
         try:
             model = core.read_model(xml)
         except RuntimeError as exc:
@@ -167,8 +172,8 @@ class Runtime:
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
-        self.label = model_label(self.ir_dir, hf_config) + (" · ggml kernels" if self.kernels == "ggml" else "")
-        self.label += ", 14-bit activations" if self._flags & ggml.FINE else ""
+        self.label = model_label(self.ir_dir, hf_config) + (ON_GGML if self.kernels == "ggml" else "")
+        self.label += IN_14_BITS if self.activations == 14 else ""
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
         self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
