@@ -26,7 +26,7 @@ chromium:
 # What guards behaviour, in minutes: lint, types, architecture contracts, the tiny-model suites,
 # the browser test on the tiny pair and a short check of the real default pair (answers capped).
 test: setup lint chromium prepare
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 # The slower guards, opt-in (marked `slow`): fresh installs (a Space's and `pip install .`) and
 # the longest prompt on the real pair.
