@@ -482,7 +482,6 @@ def test_a_runtime_takes_14_bit_activations_by_default_where_the_cpu_has_them_an
 
 def test_an_engine_on_a_cpu_without_14_bit_activations_says_so_once(gguf_target, library, monkeypatch, caplog):
     monkeypatch.setattr(ggml, "fine_activations", lambda library: False)
-    caplog.clear()  # (the 14 asked for above warned already on a CPU without them)
     with caplog.at_level(logging.WARNING, logger="specchat.engine"):
         engine = Engine(
             gguf_target,
