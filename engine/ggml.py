@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import gguf
@@ -13,6 +17,8 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 from openvino.utils.node_factory import NodeFactory
+
+from engine import machine
 
 GGML_LINEAR = "GgmlLinear"
 # The op's first weight input (after x and its gemm flag); one input per weight from there.
@@ -32,6 +38,15 @@ GEMM, FINE = 1, 2
 # Bits per activation the op's own kernels can multiply Q4_K and Q6_K rows by: 8 (Q8_K, as llama.cpp
 # does) or 14 where a block needs them (FINE; the default where the CPU can).
 ACTIVATIONS = (8, 14)
+# The ways a decode or verify pass may multiply, by index (the op's tuning.h): whose kernels, and
+# how the threads share the columns. Each is timed on the machine it runs on, per pass shape.
+CANDIDATES = (
+    "own kernels, static split",
+    "ggml's kernels, static split",
+    "own kernels, counter split",
+    "ggml's kernels, counter split",
+)
+log = logging.getLogger("specchat.kernels")
 
 
 def register(core: ov.Core, library: Path) -> None:
@@ -49,6 +64,10 @@ def _factory(library: Path) -> NodeFactory:
 @functools.cache
 def _native(library: Path) -> ctypes.CDLL:
     native = ctypes.CDLL(str(library))
+    native.specchat_choose.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_int]
+    native.specchat_choices.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    native.specchat_set_choice.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    native.specchat_force.argtypes = [ctypes.c_int]
     native.specchat_interleave.argtypes = [
         ctypes.c_int,
         ctypes.c_void_p,
@@ -121,3 +140,68 @@ def gemm_input() -> ov.Node:
     flag = ops.parameter([1], ov.Type.i64, name=GEMM_INPUT)
     flag.output(0).get_tensor().set_names({GEMM_INPUT})
     return flag
+
+
+def choose(library: Path, seconds: Sequence[Sequence[float]]) -> int:
+    """The candidate the op keeps for a shape whose candidates took ``seconds`` (as many timings
+    each): its own rule, the lowest median."""
+    samples = len(seconds[0])
+    flat = (ctypes.c_double * (len(seconds) * samples))(*(t for timings in seconds for t in timings))
+    return int(_native(library).specchat_choose(flat, len(seconds), samples))
+
+
+def choices(library: Path) -> dict[str, int]:
+    """The candidate (:data:`CANDIDATES`) chosen for each pass shape timed so far in this process."""
+    native = _native(library)
+    size = native.specchat_choices(None, 0)
+    text = ctypes.create_string_buffer(size + 1)
+    native.specchat_choices(text, size + 1)
+    lines = (line.split("\t") for line in text.value.decode().splitlines())
+    return {key: int(candidate) for key, candidate in lines}
+
+
+def force(library: Path, candidate: int | None) -> None:
+    """Every pass takes ``candidate`` (None: each shape the one chosen for it): tests and probes."""
+    _native(library).specchat_force(-1 if candidate is None else candidate)
+
+
+def _choices_file(library: Path) -> Path:
+    """Where the choices are kept: beside the library, which is built per CPU's features, per CPU
+    model (two CPUs with the same features may still differ in speed)."""
+    return library.parent / f"choices-{machine.cpu_key()}.json"
+
+
+def load_choices(library: Path, remeasure: bool = False) -> int:
+    """Put the choices kept for this CPU back into the op, so that no shape is timed again (with
+    ``remeasure``, forget them all instead); returns how many were put back."""
+    native = _native(library)
+    if remeasure:
+        native.specchat_forget()
+        return 0
+    try:
+        kept = json.loads(_choices_file(library).read_text())["choices"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    for key, candidate in kept.items():
+        native.specchat_set_choice(key.encode(), int(candidate))
+    return len(kept)
+
+
+def save_choices(library: Path) -> dict[str, int]:
+    """Keep the choices made so far for later starts (a file written whole, then renamed: two
+    processes never leave half of one); returns them."""
+    made = choices(library)
+    if made:
+        path = _choices_file(library)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"cpu": machine.cpu_name(), "choices": made}, indent=1))
+        partial.replace(path)
+    return made
+
+
+def describe_choices(made: Mapping[str, int]) -> str:
+    """How many pass shapes took each candidate, for the log and /health."""
+    counts = {name: 0 for name in CANDIDATES}
+    for candidate in made.values():
+        counts[CANDIDATES[candidate]] += 1
+    return "; ".join(f"{name}: {count}" for name, count in counts.items() if count) or "none timed yet"

@@ -70,6 +70,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "rounding, a few percent slower (default: $SPECCHAT_ACTIVATIONS, else 14 where the CPU can, 8 elsewhere)",
     )
     parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="time the kernels, the prompt reader and the passes again at start, even where this machine kept "
+        "them from an earlier start (they are kept per CPU, kernels' build, models and settings)",
+    )
+    parser.add_argument(
         "--batch-speculation",
         choices=("on", "off"),
         default="on",
@@ -102,6 +108,7 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         kernels=getattr(args, "kernels", "auto"),
         library=library,
         activations=getattr(args, "activations", None),
+        remeasure=getattr(args, "remeasure", False),
     )
 
 
@@ -125,5 +132,6 @@ def engine_from_args(args: argparse.Namespace, target: PreparedModel, draft: Pre
         kernels=args.kernels,
         library=kernels_library(args, (target, draft)),
         activations=args.activations,
+        remeasure=getattr(args, "remeasure", False),
         **settings,
     )

@@ -3,6 +3,7 @@ blocks (the library is built for this machine on first use, a few minutes on 2 c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import re
@@ -103,6 +104,53 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
         together = np.concatenate([model({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
         np.testing.assert_array_equal(together, alone)
     np.testing.assert_array_equal(compiled(library, rows, kind, threads=1)({0: x})[0], alone)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0, Q.Q6_K, Q.Q8_0])
+def test_every_candidate_gives_each_row_the_bits_of_the_one_row_result_at_any_width(library, kind):
+    """Whichever way a decode or verify pass multiplies (the op's own kernels or ggml's row by row,
+    the columns split statically or by a counter), each row is what the 1-row pass gives it, bit
+    for bit: the tuning changes speed only."""
+    rows = random_rows(kind, N, K, seed=9)
+    x = np.random.default_rng(10).standard_normal((17, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, 17)[:, None]
+    models = {threads: compiled(library, rows, kind, threads=threads) for threads in (1, 2)}
+    try:
+        ggml.force(library, 0)
+        alone = np.concatenate([models[2]({0: x[i : i + 1]})[0] for i in range(len(x))])
+        for candidate, threads, width in itertools.product(range(len(ggml.CANDIDATES)), (1, 2), (1, 2, 5, 17)):
+            ggml.force(library, candidate)
+            together = np.concatenate([models[threads]({0: x[i : i + width]})[0] for i in range(0, len(x), width)])
+            np.testing.assert_array_equal(together, alone, err_msg=f"{ggml.CANDIDATES[candidate]}, {threads} threads")
+    finally:
+        ggml.force(library, None)
+
+
+def test_the_choice_keeps_the_candidate_whose_median_time_is_lowest(library):
+    """The op's own rule, fed timings: a median, so one slow call (a page fault, the other core
+    busy) does not lose a candidate its place."""
+    seconds = [[5.0, 5.1, 4.9], [3.0, 9.0, 3.1], [4.0, 4.0, 4.0], [3.5, 3.4, 3.6]]
+    assert ggml.choose(library, seconds) == 1
+    assert ggml.choose(library, [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]) == 0  # (the first of equals)
+    assert ggml.choose(library, [[1.0, 50.0, 60.0], [2.0, 2.0, 2.0]]) == 1
+
+
+def test_a_pass_shape_is_timed_on_every_candidate_then_keeps_one_which_a_later_start_reads_back(library):
+    rows = random_rows(Q.Q4_K, N, K, seed=11)
+    x = np.random.default_rng(12).standard_normal((3, K)).astype(np.float32)
+    model = compiled(library, rows, Q.Q4_K, threads=1)
+    ggml.load_choices(library, remeasure=True)  # (every choice of this process forgotten)
+    key = f"q4_Kx8:{N} k{K} m3 t1"
+    for _ in range(200):
+        model({0: x})
+        if key in ggml.choices(library):
+            break
+    chosen = ggml.choices(library)[key]
+    assert chosen in range(len(ggml.CANDIDATES))
+    assert ggml.save_choices(library)[key] == chosen
+    ggml.load_choices(library, remeasure=True)
+    assert key not in ggml.choices(library)
+    assert ggml.load_choices(library) >= 1 and ggml.choices(library)[key] == chosen
+    assert ggml.CANDIDATES[chosen].split(",")[0] in ggml.describe_choices(ggml.choices(library))
 
 
 def spread_rows(count: int, seed: int) -> np.ndarray:
@@ -508,6 +556,33 @@ def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_
         Engine(ir_target, None, config=EXACT_CONFIG, kernels="ggml", library=library)
     with pytest.raises(EngineError, match="'gemm' reads on ggml's kernels"):
         Engine(ir_target, None, config=EXACT_CONFIG, prompt_reader="gemm")
+
+
+def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_target, gguf_draft, library, caplog):
+    """Kernels per model, the prompt reader and the pass costs are timed once per machine, build,
+    models and settings; a restart reads them (the log, the page's header and /health say when
+    they were measured) and answers as the first start did."""
+    settings = dict(config=EXACT_CONFIG, draft_config=EXACT_CONFIG, kernels="auto", library=library)
+    request = Request(({"role": "user", "content": PROMPTS[0]},), max_new_tokens=12, mode="best", reuse_cache=False)
+    with caplog.at_level(logging.INFO):
+        first = Engine(gguf_target, gguf_draft, remeasure=True, **settings)
+    assert "timing at start" in caplog.text and "prompt reader" in caplog.text
+    answer = first.run(request).token_ids
+    first.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        second = Engine(gguf_target, gguf_draft, **settings)
+    assert "measurements: read back" in caplog.text and "timing at start" not in caplog.text
+    assert "a plain step:" not in caplog.text and "prompt reader f32:" not in caplog.text
+    assert second.pacing.costs == first.pacing.costs
+    assert (second.target.kernels, second.draft.kernels) == (first.target.kernels, first.draft.kernels)
+    assert getattr(second.reader, "name", None) == getattr(first.reader, "name", None)
+    assert second.models["measured"] == first.models["measured"] + ", kept from an earlier start"
+    assert second.run(request).token_ids == answer
+    second.close()
+    with caplog.at_level(logging.INFO):
+        Engine(gguf_target, gguf_draft, remeasure=True, **settings).close()
+    assert "timing at start" in caplog.text
 
 
 def q4k_model(library, weights: list[np.ndarray]) -> ov.Model:

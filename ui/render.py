@@ -139,6 +139,10 @@ def last_metrics(turns: list[Turn]) -> dict:
     return next((t["metrics"] for t in reversed(turns) if t.get("metrics")), {})
 
 
+# What the header shows of an engine's models: each role's, and when start's figures were measured.
+HEADER_ENTRIES = ("target", "draft", "measured")
+
+
 def header_html(engine: EngineClient, turns: list[Turn]) -> str:
     """The models in use and how much of the context the conversation fills."""
     models = engine.models
@@ -147,7 +151,9 @@ def header_html(engine: EngineClient, turns: list[Turn]) -> str:
     last = last_metrics(turns)
     used = last["prompt_tokens"] + last["new_tokens"] if last else 0
     names = " · ".join(
-        f'<span class="model"><b>{role}</b> {html.escape(label)}</span>' for role, label in models.items()
+        f'<span class="model"><b>{role}</b> {html.escape(label)}</span>'
+        for role, label in models.items()
+        if role in HEADER_ENTRIES
     )
     return (
         f'<div class="chat-header">{names}<span class="context">context {used:,} / '

@@ -145,6 +145,21 @@ class PassCosts:
         )
 
     @classmethod
+    def from_figures(cls, figures: dict) -> PassCosts:
+        """The costs kept as JSON (:mod:`engine.core.measured`): its lists back to tuples."""
+        def pairs(name: str) -> tuple[tuple[int, float], ...]:
+            return tuple((int(a), float(b)) for a, b in figures.get(name, ()))
+
+        return cls(
+            float(figures["step"]),
+            pairs("verify"),
+            float(figures["draft"]),
+            int(figures["k"]),
+            rejection=pairs("rejection"),
+            long_verify=pairs("long_verify"),
+        )
+
+    @classmethod
     def read(cls, target: Runtime, draft: Runtime, k: int, widths: Sequence[int] = ()) -> PassCosts:
         """The costs the server paces by: one :meth:`measure`, and where that reading would keep
         the draft model off for the server's life (a break-even above :data:`CEILING`), a second,

@@ -52,6 +52,9 @@ PROBE_CONTEXT = 1024
 # target's own passes, into an empty cache and after 1,024 tokens (docs/benchmarks.md, "The GGUF's
 # own kernels"); elsewhere a reader reads runs of SHORTEST_RUN or more.
 SHORT_RUN = 16
+# Reader names (PromptReader.name): the target's own passes with ggml's batched kernels, and what a
+# stateless reader on the target's graph with ggml's kernels adds to its precision.
+GEMM_READER, SHARED = "gemm", " on the target's graph"
 log = logging.getLogger("specchat.reader")
 
 
@@ -70,6 +73,8 @@ class PromptReader(abc.ABC):
     """Reads runs of prompt text into the target's cache, in the passes of a plan."""
 
     label: str
+    # What :func:`named_reader` makes it again from (a start keeps the reader it timed fastest).
+    name: str
     # What a pass grows the process by, per byte of the cache it reads into.
     resident_per_read_byte: int
 
@@ -105,6 +110,7 @@ class GemmReader(PromptReader):
         super().__init__(on_ggml=True)
         kernels = "the AMX tiles in bf16" if ggml.prompt_tiles(library) else "ggml's batched kernels"
         self.label = f"the target's own passes, {kernels}"
+        self.name = GEMM_READER
 
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
         past = len(runtime.tokens)
@@ -128,10 +134,11 @@ class Reader(PromptReader):
         if shared is not None:
             model = shared.clone()  # (its passes set GEMM_INPUT)
             self.label = precision + ON_GGML
+            self.name = precision + SHARED
         else:
             model = core.read_model(Path(ir_dir) / "openvino_model.xml")
             graph.slice_logits(model)
-            self.label = precision
+            self.label = self.name = precision
         stateful_to_stateless_transformation(model)
         super().__init__(on_ggml=shared is not None)
         self.compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": precision})
@@ -227,3 +234,28 @@ def fastest_reader(
         f"{chosen.label}, for runs of {chosen.shortest} tokens or more" if chosen else "none (no faster here)",
     )
     return chosen
+
+
+def named_reader(
+    name: str, target: Runtime, core: ov.Core | None = None, plugin: bool = True, stateless: bool = True
+) -> PromptReader | None:
+    """The reader :func:`fastest_reader` chose at an earlier start (its ``name``, or "off"), made and
+    warmed up again without timing; None where it was none, or where it no longer fits (this
+    start's target on other kernels, or a budget that no longer holds it: ``plugin`` and
+    ``stateless`` as there)."""
+    if name == GEMM_READER:
+        reader: PromptReader | None = GemmReader(target.library) if target.library is not None else None
+    elif name.removesuffix(SHARED) in precisions(core or ov.Core()):
+        shared = name.endswith(SHARED)
+        fits = (target.library is not None and stateless) if shared else plugin
+        reader = (
+            Reader(target.ir_dir, target.config, name.removesuffix(SHARED), core, target if shared else None)
+            if fits
+            else None
+        )
+    else:
+        reader = None
+    if reader is not None:
+        reader.warm_up(target)
+    log.info("prompt reader: %s (as timed at an earlier start)", reader.label if reader else "none")
+    return reader

