@@ -67,7 +67,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(os.environ["SPECCHAT_ACTIVATIONS"]) if os.environ.get("SPECCHAT_ACTIVATIONS") else None,
         help="bits per activation ggml's kernels multiply the GGUF's Q4_K and Q6_K blocks by: 8 as llama.cpp does, "
         "or 14 in the blocks whose largest value stands out (CPUs with AVX-512 VNNI): the file's model to a finer "
-        "rounding, a few percent slower (default: $SPECCHAT_ACTIVATIONS, else 14 where the CPU can, 8 elsewhere)",
+        "rounding, a few percent slower (default: $SPECCHAT_ACTIVATIONS, else 8)",
     )
     parser.add_argument(
         "--remeasure",

@@ -147,6 +147,7 @@ class PassCosts:
     @classmethod
     def from_figures(cls, figures: dict) -> PassCosts:
         """The costs kept as JSON (:mod:`engine.core.measured`): its lists back to tuples."""
+
         def pairs(name: str) -> tuple[tuple[int, float], ...]:
             return tuple((int(a), float(b)) for a, b in figures.get(name, ()))
 

@@ -14,8 +14,12 @@ plugin fuses it as it fuses today's graph and :class:`engine.core.runtime.Runtim
 and the prompt reader use it as they use today's: same inputs, output and variable names.
 
 What differs from today's graph, on purpose: the norms, biases and RoPE frequencies are the file's
-f32 values (the export carried them through fp16, and its RoPE frequencies stayed f16 constants),
-and an embedding in Q5_0 is kept in its blocks rather than as fp16 values.
+f32 values (the export carried them through fp16, and kept the RoPE frequencies as f16 constants:
+the default target's angles drift 1.8e-4 rad per position, 0.1 rad by position 561); the
+embedding's scales are f32, not fp16 (the plugin widens them to f32 either way), and a Q5_0
+embedding stays in its blocks rather than as fp16 values. The mask is built in fewer ops (same
+values). With the export's f16 RoPE frequencies put back, the tiny models' logits are today's bit
+for bit (tests/test_gguf_graph.py).
 
 Architectures: llama, qwen2 and qwen3. Any other, or a feature these graphs do not model (RoPE
 scaling, partial rotary dimensions, per-layer head counts), raises :class:`UnsupportedModel`, so a
@@ -180,20 +184,31 @@ def q5_0(tensor: Any) -> gguf_blocks.Blocks:
     return gguf_blocks.Blocks(codes.reshape(rows, groups, block), ov.Type.i8, scale.reshape(rows, groups, 1), None)
 
 
+def decoded(blocks: gguf_blocks.Blocks, shape: list[int]) -> ov.Output:
+    """``(codes - zero point) * scale`` in f32, reshaped to the weight: the pattern the CPU plugin
+    fuses into its gather, which keeps the codes as they are and the scales in f32 (today's graph
+    gives it scales rounded to fp16, gguf_blocks.subgraph, which it widens to f32 all the same)."""
+    values = ops.convert(ops.constant(blocks.codes, dtype=blocks.element), ov.Type.f32)
+    if blocks.zero is not None:
+        values = ops.subtract(values, _constant(blocks.zero))
+    values = ops.multiply(values, _constant(blocks.scale))
+    return ops.reshape(values, _constant(shape, np.int64), False).output(0)
+
+
 def embedding_table(tensor: Any) -> tuple[ov.Output, int]:
     """The token embedding as the gather reads it (f32 [vocab, hidden]) and the bytes the CPU
-    plugin keeps of it. Where the file's type maps to codes with per-group scales (Q4_K, Q6_K,
-    Q8_0, Q4_0: gguf_blocks, as today's graph has it; Q5_0 here), the decode is a small subgraph
-    the plugin fuses into its gather, the codes kept as they are and the scales widened to f32
-    (measured on this build: a Gather over i4/i8 codes and f32 scales). F32 stays f32 and F16 f16.
-    Other types (Q5_K, Q3_K, IQ*) are dequantized to fp16 values, as the export carried them."""
+    plugin keeps of it. Q4_K, Q6_K, Q8_0, Q4_0 (gguf_blocks.decode) and Q5_0 (:func:`q5_0`) stay
+    in their codes, with f32 scales (and zero points): the file's values (Q4_K's to f32 rounding,
+    its min taken as a zero point), at what today's graph costs (measured: the plugin's gather
+    held u4 or i8 codes and f32 scales). F32 stays f32, F16 f16; other types (Q5_K, Q3_K, IQ*) are
+    dequantized to fp16 values, as the export carried them."""
     rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
     kind = Q(tensor.tensor_type)
     blocks = q5_0(tensor) if kind == Q.Q5_0 else gguf_blocks.decode(tensor)
     if blocks is not None:
-        per_group = 4 * (1 if blocks.zero is None else 2)  # (the plugin's f32 scale and zero point)
-        code_bytes = blocks.codes.size * blocks.element.bitwidth // 8
-        return gguf_blocks.subgraph(blocks, [rows, cols], ov.Type.f32), code_bytes + per_group * blocks.scale.size
+        per_group = 4 * (1 if blocks.zero is None else 2)
+        size = blocks.codes.size * blocks.element.bitwidth // 8 + per_group * blocks.scale.size
+        return decoded(blocks, [rows, cols]), size
     values = gguf.quants.dequantize(np.asarray(tensor.data), kind).reshape(rows, cols)
     if kind == Q.F32:
         return _constant(values), values.nbytes
@@ -214,6 +229,7 @@ class _Builder:
         self.tensors = {t.name: t for t in reader.tensors}
         self.permuted = gguf_blocks.permuted_heads(reader)
         self.library = library
+        self.where = where
         self.parameters = {
             name: ops.parameter(dims, kind, name=name)
             for name, dims, kind in (
@@ -228,12 +244,11 @@ class _Builder:
         self.gemm = ggml.gemm_input()
         self.variables: list[Variable] = []
         self.sinks: list[ov.Node] = []
-        self.embedding_bytes = 0
 
     def tensor(self, name: str) -> Any:
         tensor = self.tensors.get(name)
         if tensor is None:
-            raise UnsupportedModel(f"the file has no tensor {name}")
+            raise UnsupportedModel(f"{self.where}: the file has no tensor {name}")
         return tensor
 
     # -- blocks
@@ -305,8 +320,9 @@ class _Builder:
         """The cache with this pass's entries appended (assigned back to its variable), its KV heads
         repeated for the query heads they serve."""
         shape = self.shape
-        whole = ops.concat([past, new], -2).output(0)
-        self.sinks.append(opset6.assign(whole, variable))
+        joined = ops.concat([past, new], -2)
+        self.sinks.append(opset6.assign(joined, variable))
+        whole = joined.output(0)
         groups = shape.heads // shape.kv_heads
         if groups == 1:
             return whole
@@ -344,7 +360,7 @@ class _Builder:
 
     def model(self) -> ov.Model:
         shape, p = self.shape, self.parameters
-        table, self.embedding_bytes = embedding_table(self.tensor("token_embd.weight"))
+        table, _ = embedding_table(self.tensor("token_embd.weight"))
         ids = ops.convert(p["input_ids"], ov.Type.i32)
         x = ops.gather(table, ids, _constant(0, np.int32)).output(0)
         batch = ops.gather(ops.shape_of(p["input_ids"], ov.Type.i64), _constant([0], np.int64), _constant(0, np.int64))
@@ -358,12 +374,13 @@ class _Builder:
         sin = ops.unsqueeze(ops.sin(angles), _constant(1, np.int64)).output(0)
         scale = _constant(1.0 / np.sqrt(shape.head_dim))
 
-        caches = [
-            (self.cache(f"past_key_values.{i}.keypresent.{i}.key", batch.output(0)),
-             self.cache(f"past_key_values.{i}.valuepresent.{i}.value", batch.output(0)))
-            for i in range(shape.layers)
-        ]  # fmt: skip
-        bias = self.mask(caches[0][0][0]) if caches else None
+        # (the export's variable ids: its past input's name and its present output's, which the
+        # prompt reader's stateless copy splits back into an input and an output: engine.core.reader)
+        names = [(f"past_key_values.{i}.key", f"present.{i}.key") for i in range(shape.layers)]
+        names += [(f"past_key_values.{i}.value", f"present.{i}.value") for i in range(shape.layers)]
+        states = [self.cache(past + present, batch.output(0)) for past, present in names]
+        caches = list(zip(states[: shape.layers], states[shape.layers :]))
+        bias = self.mask(caches[0][0][0])
         for i, ((past_k, key_variable), (past_v, value_variable)) in enumerate(caches):
             block = f"blk.{i}"
             q, k, v = self.linears(self.rms_norm(x, f"{block}.attn_norm.weight"), [f"{block}.{n}" for n in PROJECTIONS])
@@ -376,7 +393,9 @@ class _Builder:
             merged = ops.reshape(attended, _constant([0, 0, shape.heads * shape.head_dim], np.int64), True)
             (out,) = self.linears(merged.output(0), [f"{block}.attn_output"])
             x = ops.add(x, out).output(0)
-            gate, up = self.linears(self.rms_norm(x, f"{block}.ffn_norm.weight"), [f"{block}.ffn_gate", f"{block}.ffn_up"])
+            gate, up = self.linears(
+                self.rms_norm(x, f"{block}.ffn_norm.weight"), [f"{block}.ffn_gate", f"{block}.ffn_up"]
+            )
             (down,) = self.linears(ops.multiply(ops.swish(gate), up).output(0), [f"{block}.ffn_down"])
             x = ops.add(x, down).output(0)
 

@@ -1,0 +1,343 @@
+"""The graph on ggml's kernels built straight from a GGUF (engine.prepare.gguf_graph) against
+today's, rewritten from the IR optimum-intel exports from the dequantized file
+(engine.prepare.ggml_ir): the same interface, and the same logits over a prompt, single steps
+with the KV cache and a pass after a rollback, for llama, qwen2 and qwen3.
+
+The tiny models' norms and biases are random and rounded to fp16 first, so that the old path's
+fp16 copy of them is exact; its one remaining rounding is the RoPE frequencies the export keeps
+as f16 constants, which the new graph keeps in f32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import openvino as ov
+import pytest
+import torch
+from openvino import opset13 as ops
+from openvino._offline_transformations import stateful_to_stateless_transformation
+
+from engine import ggml
+from engine.core import graph
+from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.ggml import GGML_XML
+from engine.prepare import ggml_ir, gguf_graph, kernels
+from engine.prepare.convert import Compression
+from engine.prepare.gguf_graph import UnsupportedModel
+from engine.prepare.pipeline import default_cache_dir, prepare_one
+from tests import gguf_writer
+from tests.gguf_writer import write_gguf
+from tests.test_kernels import random_rows
+from tests.tiny import TINY_SHAPE, TOKENS
+
+Q = gguf.GGMLQuantizationType
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
+STEPS = [7, 8, 9, 10, 11, 12]
+# The new graph's logits off today's where only the RoPE frequencies differ (f32 against the
+# export's f16), relative to the largest logit; measured at most 2.5e-2, see the test.
+ROPE_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    """The op for this machine (built into the app's cache on first use, as prepare does)."""
+    return kernels.library(default_cache_dir(), print)
+
+
+def varied(source: Path, out: Path, seed: int) -> Path:
+    """``source``'s model with random norms and biases (a tiny model's are ones and zeros, which
+    the export folds away), every weight rounded to fp16, and a bos id (transformers' llama GGUF
+    tokenizer needs one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+            p.copy_(p.half().float())
+    model.config.bos_token_id = model.config.bos_token_id or tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# A tiny qwen3's head size: Qwen3Config's default, since transformers' GGUF loader (5.5) does not
+# read a file's (it would load a head size of 16 as 128).
+QWEN3_HEAD = 128
+
+
+def qwen3(folder: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random Qwen3 (query and key heads RMS-normed) of the shape every tiny model shares,
+    but for its heads' size (:data:`QWEN3_HEAD`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(
+        **TINY_SHAPE,
+        head_dim=QWEN3_HEAD,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(4)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def copy_gguf(
+    source: Path,
+    out: Path,
+    architecture: str | None = None,
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
+    tensors: dict[str, str | None] | None = None,
+) -> Path:
+    """``source`` rewritten: its architecture renamed, ``metadata`` added, and each tensor named in
+    ``tensors`` dropped (None) or made a copy of another's bytes."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, architecture or reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for key, (value, kind) in (metadata or {}).items():
+        writer.add_key_value(key, value, kind)
+    by_name = {t.name: t for t in reader.tensors}
+    changes = tensors or {}
+    kept = [(t.name, by_name[changes.get(t.name) or t.name]) for t in reader.tensors if changes.get(t.name, t.name)]
+    for name, tensor in kept:
+        writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, tensor in kept:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return out
+
+
+def tiny_gguf(architecture: str, request: pytest.FixtureRequest, tiny_dir: Path) -> Path:
+    """A tiny model of ``architecture`` (:func:`varied`) written as a Q4_0 GGUF, as llama.cpp's
+    converter would write it (a llama file's q and k rows permuted for ggml's RoPE)."""
+    folder = tiny_dir / "gguf-graph"
+    folder.mkdir(exist_ok=True)
+    file = folder / f"tiny-{architecture}-Q4_0.gguf"
+    if file.exists():
+        return file
+    if architecture == "qwen3":
+        source = qwen3(tiny_dir / "hf-qwen3", request.getfixturevalue("tokenizer_dir"))
+    else:
+        source = request.getfixturevalue({"qwen2": "hf_target", "llama": "hf_llama"}[architecture])
+    hf = varied(source, tiny_dir / f"hf-varied-{architecture}", seed=7)
+    if architecture != "qwen3":
+        return write_gguf(hf, file, Q.Q4_0)
+    with pytest.MonkeyPatch.context() as patch:  # (tests.gguf_writer knows qwen2 and llama)
+        patch.setitem(gguf_writer.ARCHES, "qwen3", gguf.MODEL_ARCH.QWEN3)
+        patch.setitem(gguf_writer.PRE_TOKENIZER, "qwen3", "qwen2")
+        written = write_gguf(hf, folder / "qwen3-without-head-size.gguf", Q.Q4_0)
+    head_dim = (QWEN3_HEAD, gguf.GGUFValueType.UINT32)
+    # (llama.cpp's converter writes a qwen3 file's head size where it is not hidden size / heads)
+    return copy_gguf(
+        written, file, metadata={"qwen3.attention.key_length": head_dim, "qwen3.attention.value_length": head_dim}
+    )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    architecture: str
+    file: Path
+    old: Path  # the IR folder prepared the old way, its graph on ggml's kernels beside
+    new: Path  # gguf_graph.write's folder
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def prepared(request, tiny_dir, tiny_cache, library) -> Prepared:
+    architecture = request.param
+    file = tiny_gguf(architecture, request, tiny_dir)
+    old = prepare_one(str(file), Compression("gguf"), tiny_cache).path
+    ggml_ir.write(old, file, library, print)
+    new = tiny_dir / "gguf-graph" / f"graph-{architecture}"
+    gguf_graph.write(file, new, library)
+    return Prepared(architecture, file, old, new)
+
+
+def read(folder: Path, library: Path) -> ov.Model:
+    core = ov.Core()
+    ggml.register(core, library)
+    return core.read_model(folder / GGML_XML)
+
+
+def with_rope_in_fp16(folder: Path, out: Path, library: Path) -> Path:
+    """``folder``'s graph with its RoPE frequencies rounded to fp16, as the export keeps them."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(folder, out)
+    model = read(folder, library)
+    (frequencies,) = [n for n in model.get_ordered_ops() if n.get_friendly_name() == gguf_graph.INV_FREQ]
+    rounded = ops.constant(frequencies.get_data().astype(np.float16).astype(np.float32))
+    for target in list(frequencies.output(0).get_target_inputs()):
+        target.replace_source_output(rounded.output(0))
+    ov.save_model(model, out / GGML_XML, compress_to_fp16=False)
+    return out
+
+
+def logits(folder: Path, library: Path) -> np.ndarray:
+    """Every row of a prompt pass, then single steps with the KV cache, then a rollback of three
+    steps and a three-token pass after it: the passes decoding and verifying make."""
+    runtime = Runtime(folder, config=EXACT_CONFIG, kernels=library)
+    rows = [runtime.forward(TOKENS, rows=len(TOKENS))]
+    rows += [runtime.forward([token]) for token in STEPS]
+    runtime.trim(len(TOKENS) + len(STEPS) - 3)
+    rows.append(runtime.forward([33, 34, 35], rows=3))
+    return np.concatenate(rows)
+
+
+def describe(model: ov.Model) -> dict[str, Any]:
+    """What Runtime, the batcher and the prompt reader rely on: inputs, output, variables, and the
+    op's nodes (their weights' shapes, types and interleaving)."""
+    nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == ggml.GGML_LINEAR]
+    stateless = model.clone()
+    stateful_to_stateless_transformation(stateless)
+    return {
+        "inputs": [(i.get_any_name(), str(i.get_partial_shape()), i.get_element_type()) for i in model.inputs],
+        "outputs": [(o.get_any_name(), str(o.get_partial_shape())) for o in model.outputs],
+        "variables": sorted((v.info.variable_id, str(v.info.data_shape)) for v in model.get_variables()),
+        "stateless": sorted(p.get_any_name() for p in [*stateless.inputs, *stateless.outputs]),
+        "op": sorted(
+            sorted(
+                (tuple(n.get_input_shape(i)), kind, grouped)
+                for i, kind, grouped in zip(
+                    range(ggml.FIRST_WEIGHT, n.get_input_size()),
+                    n.get_attributes()["ggml_types"],
+                    n.get_attributes()["interleaved"],
+                )
+            )
+            for n in nodes
+        ),
+        "head": tuple(graph.head_weight(model).get_shape()),
+    }
+
+
+def fused(folder: Path, library: Path) -> Counter[str]:
+    """The nodes the CPU plugin compiled the graph into that the speed depends on: its fused RMS,
+    RoPE and attention (with the cache's concat: MemoryInput/Output), and the op."""
+    runtime = Runtime(folder, config=EXACT_CONFIG, kernels=library)
+    kinds = (n.get_rt_info()["layerType"].astype(str) for n in runtime.compiled.get_runtime_model().get_ordered_ops())
+    return Counter(k for k in kinds if k in ("RMS", "RoPE", "ScaledDotProductAttention", "MemoryInput", "Reference"))
+
+
+def test_the_graph_has_todays_inputs_output_states_and_linear_nodes(prepared, library):
+    old, new = (describe(read(folder, library)) for folder in (prepared.old, prepared.new))
+    assert new == old
+    assert [name for name, *_ in new["inputs"]] == [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "beam_idx",
+        ggml.GEMM_INPUT,
+    ]
+    config = json.loads((prepared.new / "config.json").read_text())
+    expected = json.loads((prepared.old / "config.json").read_text())
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        assert config[key] == expected[key], key
+
+
+def test_the_plugin_fuses_it_as_it_fuses_todays(prepared, library):
+    layers = TINY_SHAPE["num_hidden_layers"]
+    norms = 2 * layers + 1 + 2 * layers * (prepared.architecture == "qwen3")  # (qwen3's q and k heads too)
+    counts = fused(prepared.new, library)
+    assert counts == fused(prepared.old, library)
+    assert counts["RMS"] == norms and counts["RoPE"] == 2 * layers
+    assert counts["ScaledDotProductAttention"] == counts["MemoryInput"] // 2 == layers
+
+
+def test_with_the_exports_fp16_rope_frequencies_the_logits_are_todays_bit_for_bit(prepared, library, tiny_dir):
+    """Everything else the graph computes is today's: the file's rows through the same op nodes,
+    the embedding's values, the same ops for norms, RoPE, the cache and the attention."""
+    like_export = with_rope_in_fp16(
+        prepared.new, tiny_dir / "gguf-graph" / f"fp16-rope-{prepared.architecture}", library
+    )
+    np.testing.assert_array_equal(logits(like_export, library), logits(prepared.old, library))
+
+
+def test_with_the_files_rope_frequencies_the_logits_are_todays_within_their_rounding(prepared, library):
+    """The export keeps RoPE's frequencies as f16 constants, the new graph in f32 as llama.cpp
+    computes them: the second pair's frequency is 6.6e-5 off here (1.8e-4 on the default target,
+    whose angle drifts 0.1 rad by position 561). Over these 19 positions that moved the tiny random
+    models' logits by up to 2.1e-2 of the largest (qwen2), 2.5e-2 (llama, qwen3), and flipped one
+    llama argmax, between logits 0.021 apart where they moved by 0.26."""
+    new, old = logits(prepared.new, library), logits(prepared.old, library)
+    moved = np.abs(new - old)
+    print(f"{prepared.architecture}: logits moved by up to {moved.max() / np.abs(old).max():.2e} of the largest")
+    assert 0 < moved.max() <= ROPE_TOLERANCE * np.abs(old).max()
+    top2 = np.sort(old, axis=-1)[:, -2:]
+    flipped = new.argmax(-1) != old.argmax(-1)
+    # (an argmax may flip only between two logits nearer than the rounding moved them)
+    assert (top2[flipped, 1] - top2[flipped, 0] <= 2 * moved[flipped].max(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(request, tiny_dir) -> Path:
+    return tiny_gguf("qwen2", request, tiny_dir)
+
+
+def test_a_file_without_a_head_reads_the_token_embedding_as_its_head(qwen2_file, library, tiny_dir):
+    """As ggml_ir does for a tied model: the op on the embedding's own rows, so a file whose head is
+    a copy of the embedding gives the same logits bit for bit."""
+    folder = tiny_dir / "gguf-graph"
+    tied = copy_gguf(qwen2_file, folder / "tied.gguf", tensors={"output.weight": None})
+    copied = copy_gguf(qwen2_file, folder / "copied-head.gguf", tensors={"output.weight": "token_embd.weight"})
+    for file in (tied, copied):
+        gguf_graph.write(file, folder / file.stem, library)
+    assert json.loads((folder / "tied" / "config.json").read_text())["tie_word_embeddings"]
+    np.testing.assert_array_equal(logits(folder / "tied", library), logits(folder / "copied-head", library))
+
+
+def test_an_architecture_or_feature_it_does_not_build_is_refused_with_a_clear_error(qwen2_file, library, tiny_dir):
+    """So that a caller can prepare the file the old way, and say why."""
+    other = copy_gguf(qwen2_file, tiny_dir / "gguf-graph" / "gemma2.gguf", architecture="gemma2")
+    with pytest.raises(UnsupportedModel, match="architecture 'gemma2' has no graph built from the file"):
+        gguf_graph.build(other, library)
+    scaled = copy_gguf(
+        qwen2_file,
+        tiny_dir / "gguf-graph" / "scaled.gguf",
+        metadata={"qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)},
+    )
+    with pytest.raises(UnsupportedModel, match="RoPE scaling is not built from the file"):
+        gguf_graph.build(scaled, library)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0])
+def test_the_embedding_gathers_the_files_values_from_its_codes(kind):
+    """The plugin's gather reads the codes as they are (u4 for Q4_K, i8 for Q6_K and Q5_0) and f32
+    scales: the file's values, Q4_K's to f32 rounding (its min taken as a zero point)."""
+    rows, cols = 48, 512
+    raw = random_rows(kind, rows, cols, seed=11)
+    tensor = type("Tensor", (), {"data": raw, "shape": np.array([cols, rows]), "tensor_type": kind})()
+    table, size = gguf_graph.embedding_table(tensor)
+    ids = ops.parameter([-1], ov.Type.i32, name="ids")
+    compiled = ov.Core().compile_model(ov.Model([ops.gather(table, ids, 0)], [ids]), "CPU", EXACT_CONFIG)
+    got = compiled({0: np.arange(rows, dtype=np.int32)})[0]
+    expected = gguf.quants.dequantize(raw, kind).reshape(rows, cols)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2**-23 * np.abs(expected).max() if kind == Q.Q4_K else 0)
+    bits = {Q.Q4_K: 4 + 2 * 32 / 32, Q.Q6_K: 8 + 32 / 16, Q.Q8_0: 8 + 32 / 32, Q.Q4_0: 4 + 32 / 32, Q.Q5_0: 8 + 32 / 32}
+    assert size * 8 == bits[kind] * rows * cols
