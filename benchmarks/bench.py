@@ -35,12 +35,14 @@ from engine import report
 from engine.cli import CODING_PROMPTS
 from engine.core.budget import GIB
 from engine.core.chat import Message
+from engine.core.draft_vocab import frequent_ids
 from engine.core.memory import peak_resident_bytes, reset_peak_rss
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.runtime import Runtime
 from engine.core.service import Engine
 from engine.errors import EngineError
+from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
 from engine.startup import add_engine_arguments, engine_from_args
@@ -358,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         "--draft-vocab",
         type=int,
         default=None,
-        help="draft head over the first N token ids only (FR-Spec style); default: all",
+        metavar="N",
+        help="the draft head computes the N most frequent token ids only (FR-Spec: engine/core/draft_vocab.npz's "
+        "ranking, counted by python -m benchmarks.draft_vocab); default: all",
     )
     parser.add_argument(
         "--check-best",
@@ -369,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft = prepare_from_args(args)
         reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
-        engine = engine_from_args(args, target, draft, draft_vocab=args.draft_vocab)
+        kept = frequent_ids(auto_tokenizer(target.path), args.draft_vocab) if args.draft_vocab else None
+        engine = engine_from_args(args, target, draft, draft_vocab=kept)
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}
         if unknown:

@@ -102,6 +102,59 @@ def interleaved(rows: np.ndarray, ggml_type: int, library: Path) -> np.ndarray |
     return out if done else None
 
 
+def deinterleaved(grouped: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Rows interleaved by :func:`interleaved` (u8 [N, bytes per row]) back as the file stores
+    them: the inverse of ggml's repack (its ``make_block_q4_0x8``, ``make_block_iq4_nlx8`` and
+    ``make_block_q4_Kx8``, 8 bytes at a time; the op's ``deinterleave_q4_K``). Per group of 8 rows
+    and per block, the 8 blocks' scales come first, then their quants 8 bytes from each row in
+    turn (Q4_0's nibbles stored signed, their bits 3 flipped); a Q4_K group's scales and mins of
+    each sub-block are packed as one Q4_K block packs its 8 sub-blocks'."""
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    n, row_bytes = grouped.shape
+    blocks = row_bytes // size
+    x = np.asarray(grouped, dtype=np.uint8).reshape(n // INTERLEAVE, blocks, INTERLEAVE * size)
+    rows = np.empty((n // INTERLEAVE, INTERLEAVE, blocks, size), dtype=np.uint8)  # [group, row, block, byte]
+
+    def per_row(chunks: np.ndarray) -> np.ndarray:  # [group, block, row, ...] -> [group, row, block, ...]
+        return chunks.swapaxes(1, 2).reshape(*rows.shape[:3], -1)
+
+    if kind in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.IQ4_NL):
+        rows[..., :2] = per_row(x[..., :16].reshape(*x.shape[:2], INTERLEAVE, 2))
+        quants = x[..., 16:].reshape(*x.shape[:2], -1, INTERLEAVE, 8).swapaxes(2, 3)  # [group, block, row, chunk, 8]
+        rows[..., 2:] = per_row(quants ^ (0x88 if kind == gguf.GGMLQuantizationType.Q4_0 else 0))
+    elif kind == gguf.GGMLQuantizationType.Q4_K:
+        rows[..., 0:2] = per_row(x[..., 0:16].reshape(*x.shape[:2], INTERLEAVE, 2))
+        rows[..., 2:4] = per_row(x[..., 16:32].reshape(*x.shape[:2], INTERLEAVE, 2))
+        # (each sub-block's 12 bytes: the 8 rows' scales and mins; unpacked, swapped to each row's 8 sub-blocks)
+        scales, mins = _unpack_q4_k_scales(x[..., 32:128].reshape(*x.shape[:2], 8, 12))  # [group, block, sub, row]
+        rows[..., 4:16] = per_row(_pack_q4_k_scales(scales.swapaxes(2, 3), mins.swapaxes(2, 3)))
+        quants = x[..., 128:].reshape(*x.shape[:2], -1, INTERLEAVE, 8).swapaxes(2, 3)
+        rows[..., 16:] = per_row(quants)
+    else:
+        raise ValueError(f"no interleaved layout known for {kind.name} rows")
+    return rows.reshape(n, row_bytes)
+
+
+def _unpack_q4_k_scales(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and mins ([..., 12]) as 8 of each ([..., 8])."""
+    scales = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _pack_q4_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """8 scales and 8 mins ([..., 8] each) in Q4_K's 12 bytes."""
+    return np.concatenate(
+        [
+            scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
+            mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+            (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    ).astype(np.uint8)
+
+
 def linears(
     x: ov.Output,
     weights: list[tuple[np.ndarray, int]],

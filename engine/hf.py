@@ -11,6 +11,7 @@ does). This is what lets a plain
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -48,3 +49,14 @@ def auto_tokenizer(folder: str | Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, **kwargs)
+
+
+def tokenizer_tokens(tokenizer: Any) -> list[str]:
+    """A Hugging Face tokenizer's tokens, ordered by id."""
+    return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
+
+
+def vocabulary_digest(tokens: list[str]) -> str:
+    """A vocabulary's fingerprint: its tokens, ordered by id (the digest a prepared model's manifest
+    records, engine.prepare.vocab; a ranking of its ids, engine.core.draft_vocab)."""
+    return hashlib.sha256("\n".join(tokens).encode()).hexdigest()

@@ -18,7 +18,7 @@ import pytest
 from openvino import opset13 as ops
 
 from engine import ggml
-from engine.core import hugepages
+from engine.core import graph, hugepages
 from engine.core.pacing import Pacing
 from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
 from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
@@ -483,14 +483,57 @@ def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library
     assert (ours.argmax(-1) == plugin.argmax(-1)).mean() >= 0.9
 
 
-def test_a_reduced_draft_head_on_ggml_kernels_gives_the_first_ids_logits_unchanged(gguf_draft, library):
-    """``vocab_limit`` cuts the op's head to whole groups of 8 interleaved rows; each id's logit is
-    computed alone, so the ids kept get the full head's, bit for bit."""
+def test_a_draft_head_on_ggml_kernels_cut_to_some_ids_gives_their_logits_bit_for_bit_and_minus_infinity_elsewhere(
+    gguf_draft, library
+):
+    """The head's rows are interleaved 8 at a time: the ids are cut to their first multiple of 8, and
+    each id's logit is computed alone, so the ids kept get the full head's, bit for bit."""
     full = Runtime(gguf_draft, config=EXACT_CONFIG, kernels=library)
-    small = Runtime(gguf_draft, config=EXACT_CONFIG, kernels=library, vocab_limit=101)
-    assert small.vocab_size == 96
+    kept = np.random.default_rng(0).permutation(full.vocab_size)[:101]
+    cut = Runtime(gguf_draft, config=EXACT_CONFIG, kernels=library, kept_ids=kept)
     rows = len(TOKENS)
-    np.testing.assert_array_equal(small.forward(TOKENS, rows=rows), full.forward(TOKENS, rows=rows)[:, :96])
+    logits, expected = cut.forward(TOKENS, rows=rows), full.forward(TOKENS, rows=rows)
+    assert cut.vocab_size == full.vocab_size
+    np.testing.assert_array_equal(logits[:, kept[:96]], expected[:, kept[:96]])
+    assert np.isneginf(logits).sum() == rows * (full.vocab_size - 96)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0, Q.IQ4_NL])
+def test_interleaved_rows_put_back_are_the_rows_as_the_file_stores_them(library, kind):
+    rows = random_rows(kind, N, K, seed=14)
+    grouped = ggml.interleaved(rows, int(kind), library)
+    assert grouped is not None
+    np.testing.assert_array_equal(ggml.deinterleaved(grouped, int(kind)), rows)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0, Q.Q6_K])
+def test_a_head_on_the_op_cut_to_some_ids_keeps_their_logits_bit_for_bit_and_gives_the_others_minus_infinity(
+    library, kind
+):
+    """A head's rows gathered as stored (interleaved ones put back first, and interleaved again:
+    whole groups of 8, so the first 16 of 21 ids) multiply as the full head's, at any pass width."""
+    rows, ids = random_rows(kind, N, K, seed=15), np.random.default_rng(16).permutation(N)[:21]
+
+    def head(kept: np.ndarray | None) -> tuple[ov.CompiledModel, np.ndarray | None]:
+        x = ops.parameter([1, -1, K], ov.Type.f32)
+        flags = ggml.gemm_input()
+        (y,) = ggml.linears(x.output(0), [(rows, int(kind))], library, gemm=flags.output(0))
+        y.get_tensor().set_names({"logits"})
+        model = ov.Model([y], [x, flags])
+        kept = None if kept is None else graph.keep_vocabulary(model, kept, library)
+        core = ov.Core()
+        ggml.register(core, library)
+        return core.compile_model(model, "CPU"), kept
+
+    (full, _), (cut, kept) = head(None), head(ids)
+    assert kept is not None and len(kept) == (21 if kind == Q.Q6_K else 16)
+    np.testing.assert_array_equal(kept, ids[: len(kept)])
+    for width in (1, 5):
+        x = np.random.default_rng(width).standard_normal((1, width, K)).astype(np.float32)
+        flags = np.zeros(1, dtype=np.int64)
+        expected, logits = full({0: x, 1: flags})[0], cut({0: x, 1: flags})[0]
+        np.testing.assert_array_equal(logits[..., kept], expected[..., kept])
+        assert np.isneginf(np.delete(logits, kept, axis=-1)).all()
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -506,15 +549,15 @@ def test_greedy_speculative_equals_autoregressive_on_ggml_kernels(gguf_target, l
         assert sd == ar and stats.drafted > 0
 
 
-def test_a_runtime_takes_14_bit_activations_by_default_where_the_cpu_has_them_and_warns_only_if_asked(
+def test_a_runtime_takes_8_bit_activations_by_default_and_14_where_asked_and_the_cpu_has_them(
     gguf_target, library, monkeypatch, caplog
 ):
     fine = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library, activations=14)
     assert fine.pass_inputs()[ggml.GEMM_INPUT][0] == (ggml.FINE if ggml.fine_activations(library) else 0)
     assert ("14-bit activations" in fine.label) == ggml.fine_activations(library)
     assert fine.pass_inputs(gemm=True)[ggml.GEMM_INPUT][0] == ggml.GEMM
-    finest = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library)  # (the default: the finest there is)
-    assert finest.pass_inputs()[ggml.GEMM_INPUT][0] == fine.pass_inputs()[ggml.GEMM_INPUT][0]
+    default = Runtime(gguf_target, config=EXACT_CONFIG, kernels=library)  # (llama.cpp's 8 bits)
+    assert default.pass_inputs()[ggml.GEMM_INPUT][0] == 0 and "14-bit" not in default.label
     monkeypatch.setattr(ggml, "fine_activations", lambda library: False)
     caplog.clear()  # (the 14 asked for above warned already on a CPU without them)
     with caplog.at_level(logging.WARNING, logger="specchat.engine"):

@@ -1,4 +1,4 @@
-"""The accept/reject rule as a pure function, and the reduced draft head."""
+"""The accept/reject rule as a pure function, and the draft head cut to some ids."""
 
 from __future__ import annotations
 
@@ -36,11 +36,26 @@ def test_a_rejected_token_is_resampled_from_the_residual():
     assert {t for n, t in outcomes if n == 0} == {0}  # residual max(0, p - q) is all on token 0
 
 
+def scattered_ids(vocab: int, count: int, seed: int = 0) -> np.ndarray:
+    """``count`` distinct ids of a ``vocab``-id vocabulary in no order (a ranking is not id order)."""
+    return np.random.default_rng(seed).permutation(vocab)[:count]
+
+
 @pytest.mark.parametrize("head", ["fp16", "int4 (packed, rows not byte-aligned)"])
-def test_reduced_draft_head_gives_the_first_ids_logits_unchanged(head, ir_draft, hf_draft, tiny_cache):
+def test_a_draft_head_cut_to_some_ids_gives_their_logits_unchanged_and_the_others_probability_zero(
+    head, ir_draft, hf_draft, tiny_cache
+):
     ir = ir_draft if head == "fp16" else prepare_one(str(hf_draft), draft_compression(group_size=64), tiny_cache).path
     full = Runtime(ir, config=EXACT_CONFIG)
-    small = Runtime(ir, config=EXACT_CONFIG, vocab_limit=101)
+    kept = scattered_ids(full.vocab_size, 101)
+    cut = Runtime(ir, config=EXACT_CONFIG, kept_ids=kept)
     tokens = [5, 17, 42, 99, 3, 77]
-    assert small.vocab_size == 101
-    np.testing.assert_allclose(small.forward(tokens, rows=6), full.forward(tokens, rows=6)[:, :101], atol=1e-5)
+    logits, expected = cut.forward(tokens, rows=6), full.forward(tokens, rows=6)
+    assert cut.vocab_size == full.vocab_size
+    left_out = np.setdiff1d(np.arange(full.vocab_size), kept)
+    np.testing.assert_allclose(logits[:, kept], expected[:, kept], atol=1e-5)
+    assert (logits[:, left_out] == -np.inf).all()
+    warped = SamplingParams(temperature=0.8, top_p=0.95)
+    q = logits_to_probs(logits, warped)
+    assert (q[:, left_out] == 0).all()
+    np.testing.assert_allclose(q[:, kept], logits_to_probs(expected[:, kept], warped), atol=1e-6)

@@ -135,7 +135,9 @@ class ModelDrafter:
         vocab_size: int | None = None,
         window: int | None = None,
     ):
-        """``vocab_size``: the target's vocabulary, when the draft head covers only a prefix of it."""
+        """``vocab_size``: the target's vocabulary rows, where the draft's head has fewer (two sizes of
+        one model family may pad their embeddings to different row counts). A draft head cut to
+        frequent ids still gives every id a logit (engine.core.graph.keep_vocabulary)."""
         self.runtime = runtime
         self.vocab_size = vocab_size or runtime.vocab_size
         self.p_min = p_min
@@ -218,7 +220,7 @@ class ModelDrafter:
         return self.guesser.guess(sequence)
 
     def _padded(self, rows: list[np.ndarray]) -> np.ndarray:
-        """Rows over the target's vocabulary: ids past a reduced draft head have q = 0."""
+        """Rows over the target's vocabulary: ids past the draft head's rows have q = 0."""
         probs = np.zeros((len(rows), self.vocab_size))
         probs[:, : self.runtime.vocab_size] = np.stack(rows)
         return probs

@@ -18,6 +18,7 @@ import openvino as ov
 
 from engine import ggml, manifest
 from engine.core import graph, hugepages
+from engine.core.draft_vocab import Ids
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, EngineError, PrepareError
 from engine.ggml import GEMM_INPUT, GGML_XML
@@ -27,6 +28,8 @@ log = logging.getLogger("specchat.engine")
 # What a label adds on ggml's kernels, and with 14-bit activations on them.
 ON_GGML = " · ggml kernels"
 IN_14_BITS = ", 14-bit activations"
+# Bits per activation on ggml's kernels unless asked for others: llama.cpp's.
+DEFAULT_ACTIVATIONS = 8
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 # Activations are quantized for the int4 matmuls in groups matching the weights' group size:
 # on this CPU that cuts a decode step by a quarter against the plugin's default of 32
@@ -82,10 +85,11 @@ def model_label(ir_dir: Path, hf_config: dict) -> str:
 
 def supported_activations(bits: int | None, library: Path) -> int:
     """The bits the op in ``library`` multiplies by when ``bits`` are asked for
-    (engine.ggml.ACTIVATIONS; None: the finest this CPU has): where the CPU cannot do 14, 8, with
+    (engine.ggml.ACTIVATIONS; None: 8, llama.cpp's rounding and the faster: 14 showed no functional
+    gain, docs/benchmarks.md, "Activations in 14 bits"): where the CPU cannot do 14, 8, with
     a warning."""
     if bits is None:
-        return 14 if ggml.fine_activations(library) else 8
+        return DEFAULT_ACTIVATIONS
     if bits not in ggml.ACTIVATIONS:
         raise EngineError(f"activations of {bits} bits: choose one of {', '.join(map(str, ggml.ACTIVATIONS))}")
     if bits == 14 and not ggml.fine_activations(library):
@@ -103,21 +107,24 @@ class Runtime:
         device: str = "CPU",
         config: dict | None = None,
         core: ov.Core | None = None,
-        vocab_limit: int | None = None,
+        kept_ids: Ids | None = None,
         masked_rollback: bool = False,
         pass_width: int = 1,
         first_token_alone: bool = False,
         kernels: Path | None = None,
         activations: int | None = None,
     ):
-        """``vocab_limit``: compute logits for the first N token ids only (a cheaper draft head).
+        """``kept_ids``: compute logits for these token ids only (a cheaper draft head: FR-Spec's,
+        engine.core.draft_vocab), most wanted first; every other id gets -inf, so a row still spans
+        the whole vocabulary (:func:`engine.core.graph.keep_vocabulary`; on ggml's interleaved rows
+        the first multiple of 8 of them are kept). None: every id.
 
         ``kernels``: the GgmlLinear op's library (engine.prepare.kernels): the IR's graph whose
         linear layers run ggml's kernels on the GGUF's own blocks is read (engine.prepare.ggml_ir)
         instead of the one the plugin's kernels run. ``activations``: on those, the bits the op's
         own Q4_K and Q6_K kernels multiply by (engine.ggml.ACTIVATIONS): 8 as llama.cpp does, or 14
         in the blocks that need them where the CPU can (else 8, with a warning), nearer the file's
-        model and slightly slower; None: 14 where the CPU can, else 8.
+        model and slightly slower; None: 8.
 
         ``masked_rollback``: roll back by masking the dropped entries out of attention instead of
         copying the cache. For the draft, copying every state out and back in costs about a third
@@ -156,8 +163,9 @@ class Runtime:
         except RuntimeError as exc:
             raise PrepareError(f"{ir_dir}: cannot read the OpenVINO model ({exc})") from exc
         graph.slice_logits(model)
-        if vocab_limit and vocab_limit < graph.vocabulary_rows(model):
-            graph.shrink_vocabulary(model, vocab_limit)
+        if kept_ids is not None:
+            kept = graph.keep_vocabulary(model, kept_ids, kernels)
+            log.info("%s: its head computes %d token ids' logits, -inf elsewhere", self.ir_dir.name, len(kept))
         # (ggml's kernels stream their weights from huge pages: a plain step is faster by about 6%:
         # engine.core.hugepages)
         if kernels is not None:

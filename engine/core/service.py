@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from engine import ggml
 from engine.core import chat
 from engine.core.budget import MemoryBudget, gib
+from engine.core.draft_vocab import Ids, ids_key
 from engine.core.drafters import Drafter, Price
 from engine.core.measured import Measured, model_identity
 from engine.core.memory import resident_bytes, return_freed_buffers
@@ -53,9 +54,10 @@ from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
-# The draft head's vocabulary: the first N ids (BPE merge rank ~ frequency). Off by default:
-# the acceptance it costs outweighs the cheaper draft pass (docs/benchmarks.md, "Tried and dropped").
-DRAFT_VOCAB: int | None = None
+# The token ids the draft head computes (engine.core.draft_vocab; None: all). Off by default: a head
+# cut to the first ids cost more acceptance than its cheaper pass gained (docs/benchmarks.md, "Tried
+# and dropped"); one cut to the most frequent ids is yet to be measured.
+DRAFT_VOCAB: Ids | None = None
 # Tokens per draft pass (see Runtime): one shape for every draft step.
 DRAFT_PASS_WIDTH = 2
 # The longest prompt accepted, as a share of the context: room is left for the answer.
@@ -81,7 +83,7 @@ class Engine:
         device: str = "CPU",
         config: dict | None = None,
         draft_config: dict | None = None,
-        draft_vocab: int | None = DRAFT_VOCAB,
+        draft_vocab: Ids | None = DRAFT_VOCAB,
         max_input_tokens: int | None = None,
         step_timeout: float = STEP_TIMEOUT,
         max_sessions: int | None = None,
@@ -97,8 +99,9 @@ class Engine:
         remeasure: bool = False,
     ):
         """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
-        :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the draft head computes
-        logits for the first N token ids only (None: all). ``max_input_tokens``: the longest
+        :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the token ids the draft head
+        computes logits for, most frequent first (:func:`engine.core.draft_vocab.frequent_ids`; the
+        others get q = 0); None: all. ``max_input_tokens``: the longest
         prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
         without progress after which a stream fails and the engine reports itself unhealthy.
         ``max_sessions``: conversations whose KV caches are kept (default:
@@ -133,7 +136,7 @@ class Engine:
         depends_on = {
             "target": model_identity(Path(target_dir)),
             "draft": model_identity(Path(draft_dir)) if draft_dir else None,
-            "settings": [device, target_config, draft_config, draft_vocab, memory_limit, max_input_tokens],
+            "settings": [device, target_config, draft_config, ids_key(draft_vocab), memory_limit, max_input_tokens],
             "kernels": [kernels, str(library), activations, prompt_reader, BEST_K, COPY_WIDTHS],
         }
         self.measured = Measured.open(Path(target_dir), depends_on, remeasure)
@@ -154,7 +157,7 @@ class Engine:
                     Path(draft_dir),
                     device,
                     draft_config,
-                    vocab_limit=draft_vocab,
+                    kept_ids=draft_vocab,
                     masked_rollback=True,
                     pass_width=DRAFT_PASS_WIDTH,
                     kernels=lib,

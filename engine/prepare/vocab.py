@@ -7,14 +7,13 @@ and OpenVINO IR folders carry a Hugging Face tokenizer.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.errors import PrepareError
-from engine.hf import auto_tokenizer
+from engine.hf import auto_tokenizer, tokenizer_tokens, vocabulary_digest
 from engine.prepare.sources import Kind, Source
 
 if TYPE_CHECKING:
@@ -55,11 +54,6 @@ def _hf_tokens(folder: Path) -> list[str]:
     return tokenizer_tokens(tok)
 
 
-def tokenizer_tokens(tokenizer: Any) -> list[str]:
-    """A Hugging Face tokenizer's tokens, ordered by id."""
-    return [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
-
-
 @dataclass(frozen=True)
 class Vocabulary:
     size: int
@@ -73,7 +67,7 @@ class Vocabulary:
     def of_tokens(cls, tokens: list[str]) -> Vocabulary:
         # GGUF pads its token list to the embedding rows with "[PADn]"; a tokenizer has no such rows.
         tokens = [t for t in tokens if not _PADDING.fullmatch(t)]
-        return cls(len(tokens), hashlib.sha256("\n".join(tokens).encode()).hexdigest())
+        return cls(len(tokens), vocabulary_digest(tokens))
 
     def describe(self) -> str:
         return f"{self.size} tokens, vocabulary {self.digest[:10]}"
