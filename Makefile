@@ -10,8 +10,9 @@ ARGS ?=
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.txt
+	@start=$$(date +%s) && $(PYTHON) -m venv $(VENV) \
+		&& $(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.txt \
+		&& echo "[setup] installed in $$(( $$(date +%s) - start )) s"
 	touch $@
 
 prepare: setup

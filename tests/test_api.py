@@ -127,7 +127,9 @@ def test_models_and_health_describe_the_pair(client, served, engine):
     assert [m.id for m in client.models.list()] == ["tiny"]
     health = httpx.get(f"{served}health")
     running = {role: spec | {"running": engine.models[role]} for role, spec in MODELS.items()}
-    assert health.status_code == 200 and health.json() == {"status": "ok", "models": running, "queue": 0, "replicas": 1}
+    expected = {"status": "ok", "models": running, "queue": 0, "replicas": 1, "measured": engine.models["measured"]}
+    assert health.status_code == 200 and health.json() == expected
+    assert engine.measured.describe() == expected["measured"]  # (when start timed what it chose)
 
 
 def test_an_unhealthy_engine_answers_503(client, served, monkeypatch):

@@ -29,6 +29,7 @@ from engine.errors import EngineError
 from engine.ggml import GGML_XML
 from engine.prepare import ggml_ir, kernels
 from engine.prepare.convert import Compression
+from engine.prepare.four_bit import in_four_bits
 from engine.prepare.pipeline import default_cache_dir, prepare_one
 from tests.gguf_writer import write_gguf
 from tests.serving import serve
@@ -462,16 +463,16 @@ def test_rows_in_four_bits_are_within_a_q4_0_step_of_the_files():
     """Half a step, rounded to the nearest code, but where a value lies at the far end of Q4_0's
     codes (8 steps one way, 7 the other)."""
     rows = random_rows(Q.Q8_0, N, K, seed=21)
-    four, kind = ggml_ir.in_four_bits(rows, int(Q.Q8_0))
+    four, kind = in_four_bits(rows, int(Q.Q8_0))
     assert kind == Q.Q4_0 and four.shape == (N, K // 32 * 18)
     weights = gguf.quants.dequantize(rows, Q.Q8_0).reshape(N, K // 32, 32)
     step = np.abs(weights).max(-1, keepdims=True) / 8  # (Q4_0's scale: the block's largest value over 8)
     error = np.abs(gguf.quants.dequantize(four, Q.Q4_0).reshape(weights.shape) - weights)
     assert (error <= 1.01 * step).all() and (error <= step / 2 + 1e-6).mean() >= 0.99
     q4_k = random_rows(Q.Q4_K, N, K, seed=22)
-    assert ggml_ir.in_four_bits(q4_k, int(Q.Q4_K))[0] is q4_k
+    assert in_four_bits(q4_k, int(Q.Q4_K))[0] is q4_k
     f16 = random_rows(Q.F16, N, 48, seed=23)  # (48 values a row: no whole Q4_0 blocks)
-    assert ggml_ir.in_four_bits(f16, int(Q.F16))[0] is f16
+    assert in_four_bits(f16, int(Q.F16))[0] is f16
 
 
 def test_the_model_on_ggml_kernels_computes_the_files_model(gguf_target, library):

@@ -9,8 +9,8 @@ import json
 import sys
 
 from engine.errors import EngineError
-from engine.prepare import ggml_ir
-from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
+from engine.prepare import ggml_ir, phases
+from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, log, prepare_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
-        target, draft = prepare_from_args(args)
+        with ggml_ir.built_meanwhile((args.target, args.draft), cache_dir_from_args(args)):
+            target, draft = prepare_from_args(args)
         ggml_ir.for_models((target, draft), cache_dir_from_args(args))
+        if spent := phases.summary():
+            log(f"time spent: {spent}")
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

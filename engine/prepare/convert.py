@@ -1,7 +1,8 @@
-"""GGUF / Hugging Face model -> stateful OpenVINO IR, weights compressed by NNCF.
+"""GGUF / Hugging Face model -> stateful OpenVINO IR, weights compressed by NNCF; a GGUF's
+tokenizer as Hugging Face files (for a graph built from the file, engine.prepare.gguf_graph).
 
-Heavy steps (GGUF dequantization, optimum-intel export) run in child processes so
-that their peak memory is returned to the system before the next step starts.
+Steps that import transformers (GGUF dequantization, optimum-intel export, the tokenizer) run in
+child processes so that their peak memory is returned to the system before the next step starts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from engine.errors import PrepareError
 from engine.hf import auto_tokenizer, hide_unloadable_torchvision
+from engine.prepare import gguf_file
 
 _log = logging.getLogger("specchat.prepare")  # (engine.prepare.pipeline prints it)
 # "gguf": a GGUF's own quantized blocks kept as they are (engine.prepare.gguf_blocks).
@@ -114,6 +116,16 @@ def export_ir(hf_folder: str, out_dir: Path, compression: Compression) -> None:
     run_child(cmd, f"exporting {hf_folder} to OpenVINO ({compression.precision})")
 
 
+def write_tokenizer(gguf: Path, out_dir: Path) -> None:
+    """``gguf``'s tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json, its chat
+    template), as the dequantization writes them, in a child process: transformers reads the
+    file's metadata, never its tensors."""
+    run_child(
+        [sys.executable, "-m", "engine.prepare.convert", "tokenizer", str(gguf), str(out_dir)],
+        f"reading {gguf.name}'s tokenizer",
+    )
+
+
 def keep_gguf_blocks(ir: Path, gguf: Path) -> None:
     """Put ``gguf``'s own quantized blocks back into the fp16 IR exported from it, in a child process."""
     run_child(
@@ -133,6 +145,10 @@ def _dequantize_main(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _tokenizer_main(gguf: Path, out_dir: Path) -> None:
+    auto_tokenizer(gguf.parent, gguf_file=gguf.name).save_pretrained(out_dir)
+
+
 def _export_main(args: list[str]) -> None:
     """optimum-cli with the given arguments, in this process."""
     from optimum.commands.optimum_cli import main as optimum_cli
@@ -143,8 +159,11 @@ def _export_main(args: list[str]) -> None:
 
 if __name__ == "__main__":
     hide_unloadable_torchvision()
+    gguf_file.everywhere()
     if len(sys.argv) == 4 and sys.argv[1] == "dequantize":
         _dequantize_main(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "tokenizer":
+        _tokenizer_main(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) == 4 and sys.argv[1] == "blocks":
         from engine.prepare.gguf_blocks import rewrite_ir
 
@@ -153,6 +172,6 @@ if __name__ == "__main__":
         _export_main(sys.argv[1:])
     else:
         sys.exit(
-            "usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | blocks IR_DIR GGUF"
-            " | export openvino ARGS..."
+            "usage: python -m engine.prepare.convert dequantize GGUF OUT_DIR | tokenizer GGUF OUT_DIR"
+            " | blocks IR_DIR GGUF | export openvino ARGS..."
         )

@@ -1,52 +1,41 @@
-"""A prepared model's IR with ggml's kernels: every linear layer and the head whose weight the
+"""A prepared model's graph with ggml's kernels: every linear layer and the head whose weight the
 GGUF holds become GgmlLinear nodes on the file's own rows (engine.ggml), stored once in the
-IR's weights. The rest of the graph (attention over the stateful KV cache, RoPE, norms, the
-embedding gather) stays OpenVINO's. Written beside the IR it comes from, once per model.
+graph's weights. The rest of the graph (attention over the stateful KV cache, RoPE, norms, the
+embedding gather) stays OpenVINO's. Written beside the model's graph on the plugin's kernels, once
+per model: built from the file (engine.prepare.gguf_graph) where that graph was, else rewritten
+from the IR optimum-intel exported.
 
-A model prepared in int4 (the draft's default) is given 4-bit rows: the file's Q4_K and Q4_0
-rows as they are, the others requantized to Q4_0 (the draft's rounding never reaches an answer).
-Its file's other types have no interleaved kernels, and a Q8_0 head, Q5_0 layers and Q6_K rows
-took a draft step 19.6 ms against 11.8 in Q4_0 (two-token passes, AVX-512 AMD VM, 2026-11-28);
-on AVX2, where the plugin's int4 kernels compute in f32, they are the draft's fast kernels."""
+A model prepared in int4 (the draft's default) is given 4-bit rows (engine.prepare.four_bit)."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
 import numpy as np
 import openvino as ov
 
-from engine import ggml
+from engine import ggml, manifest
 from engine.errors import EngineError
 from engine.ggml import GGML_XML
-from engine.prepare import disk, gguf_blocks, kernels, sources
+from engine.prepare import disk, gguf_blocks, gguf_graph, kernels, sources
+from engine.prepare.four_bit import in_four_bits
+from engine.prepare.gguf_file import open_gguf
+from engine.prepare.phases import phase
 from engine.prepare.pipeline import PreparedModel, local_source, log
 from engine.prepare.sources import Kind
-
-# The 4-bit types kept as the file stores them in a 4-bit graph (the rest become Q4_0).
-FOUR_BIT = frozenset({gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q4_0})
-
-
-def in_four_bits(rows: np.ndarray, kind: int) -> tuple[np.ndarray, int]:
-    """GGUF rows (u8 [N, bytes per row]) of ``kind`` in 4-bit blocks: as they are where the type is
-    one of :data:`FOUR_BIT` (or its rows do not come in Q4_0 blocks), else requantized to Q4_0."""
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-    if kind in FOUR_BIT or rows.shape[1] // size * block % gguf.GGML_QUANT_SIZES[q4_0][0]:
-        return rows, kind
-    weights = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(kind)).astype(np.float32)
-    return gguf.quants.quantize(weights, q4_0).view(np.uint8), int(q4_0)
 
 
 def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path, four_bit: bool = False) -> Counter[str]:
     """Replace ``model``'s linear layers by the op on ``reader``'s rows in place, those that read
     the same input (a layer's q, k and v; its gate and up) in one node; count what was done by
     type. A layer whose rows the file does not hold in that shape keeps its weight. ``four_bit``:
-    rows of other types than :data:`FOUR_BIT` are requantized to Q4_0 (:func:`in_four_bits`)."""
+    rows in 4-bit blocks (engine.prepare.four_bit)."""
     tensors = {t.name: t for t in reader.tensors}
     heads = gguf_blocks.permuted_heads(reader)
     done: Counter[str] = Counter()
@@ -87,18 +76,28 @@ def rewrite(model: ov.Model, reader: gguf.GGUFReader, library: Path, four_bit: b
     return done
 
 
+def built_from_file(ir: Path) -> bool:
+    """Whether the model in ``ir`` was prepared by building its graph from the file."""
+    return (manifest.read(ir) or {}).get("graph") == gguf_graph.FROM_FILE
+
+
 def write(ir: Path, gguf_path: Path, library: Path, log: Callable[[str], None], four_bit: bool = False) -> Path:
-    """``ir``'s graph with ggml's kernels, written beside it once (under the entry's lock);
+    """``ir``'s graph with ggml's kernels, written beside it once (under the entry's lock): built
+    from ``gguf_path`` as the plugin's graph was, else rewritten from the exported IR;
     ``four_bit``: in 4-bit rows (:func:`rewrite`)."""
     xml = ir / GGML_XML
     if xml.exists():
         return xml
-    with disk.exclusive(ir, "ggml", log) as scratch:
+    with disk.exclusive(ir, "ggml", log) as scratch, phase("graph"):
         if xml.exists():
             return xml
-        model = ov.Core().read_model(ir / "openvino_model.xml")
-        done = rewrite(model, gguf.GGUFReader(gguf_path), library, four_bit)
-        log(f"{ir.name}: linear layers on ggml's kernels: " + ", ".join(f"{n} {k}" for k, n in sorted(done.items())))
+        if built_from_file(ir):
+            model = gguf_graph.build(gguf_path, library, four_bit, log)
+        else:
+            model = ov.Core().read_model(ir / "openvino_model.xml")
+            done = rewrite(model, open_gguf(gguf_path), library, four_bit)
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(done.items()))
+            log(f"{ir.name}: linear layers on ggml's kernels: {counts}")
         ov.save_model(model, scratch / GGML_XML, compress_to_fp16=False)
         del model
         (scratch / GGML_XML).with_suffix(".bin").replace(xml.with_suffix(".bin"))
@@ -117,8 +116,27 @@ def for_model(model: PreparedModel, cache_dir: Path) -> Path | None:
     if source.kind not in (Kind.GGUF, Kind.EMBEDDED):
         return None
     library = kernels.library(cache_dir, log)
+    if (model.path / GGML_XML).exists():  # (written already: the file need not be at hand)
+        return library
     write(model.path, local_source(source, cache_dir).local, library, log, four_bit=model.precision == "int4")
     return library
+
+
+@contextmanager
+def built_meanwhile(specs: Iterable[str], cache_dir: Path) -> Iterator[None]:
+    """The op's library built on a thread while the block runs (the models' downloads leave the
+    cores idle), where one of the models named by ``specs`` comes from a GGUF; a build that fails
+    says so where the library is asked for (:func:`for_models`)."""
+    try:
+        from_gguf = any(sources.resolve(spec).kind in (Kind.GGUF, Kind.EMBEDDED) for spec in specs)
+    except EngineError:  # (the preparation says what is wrong with the spec)
+        from_gguf = False
+    if not from_gguf:
+        yield
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="kernels") as pool:
+        pool.submit(kernels.library, cache_dir, log)
+        yield
 
 
 def for_models(models: tuple[PreparedModel, ...], cache_dir: Path, required: bool = False) -> Path | None:

@@ -33,6 +33,8 @@ import openvino as ov
 from openvino import opset13 as ops
 from tqdm import tqdm
 
+from engine.prepare.gguf_file import open_gguf
+
 Q = gguf.GGMLQuantizationType
 # optimum-intel's module names -> the GGUF's tensor names (llama.cpp's convert_hf_to_gguf).
 LAYER_NAMES = {
@@ -115,30 +117,59 @@ def q4_0(blocks: np.ndarray) -> tuple[np.ndarray, ov.Type, np.ndarray, np.ndarra
     return codes, ov.Type.i4, _f16(blocks[:, 0:2]), None
 
 
-DECODERS: dict[Q, Callable[[np.ndarray], tuple[np.ndarray, ov.Type, np.ndarray, np.ndarray | None]]] = {
+def q5_0(blocks: np.ndarray) -> tuple[np.ndarray, ov.Type, np.ndarray, np.ndarray | None]:
+    """32-weight blocks: d, 4 bytes of fifth bits, 16 bytes of low 4 bits (low nibbles first): i8
+    codes, the 5-bit value minus 16. Exactly the file's values, at a byte a weight where fp16 takes
+    two (a graph built from the file: :data:`DECODERS` is what an exported IR's weights become)."""
+    high = blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    low = _nibbles(blocks[:, 6:], (0, 4), 16).reshape(-1, 32) & 0x0F
+    codes = (low | ((high & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return codes.reshape(-1, 1, 32), ov.Type.i8, _f16(blocks[:, 0:2]), None
+
+
+Decoder = Callable[[np.ndarray], tuple[np.ndarray, ov.Type, np.ndarray, np.ndarray | None]]
+DECODERS: dict[Q, Decoder] = {
     Q.Q4_K: q4_k,
     Q.Q6_K: q6_k,
     Q.Q8_0: q8_0,
     Q.Q4_0: q4_0,
 }
+# What a graph built from the file keeps in blocks (engine.prepare.gguf_graph).
+ROW_DECODERS: dict[Q, Decoder] = {**DECODERS, Q.Q5_0: q5_0}
+# Rows decoded at a time: a decoder's intermediates take a few bytes a weight, so a
+# vocabulary-sized matrix is decoded a slice at a time into its codes.
+CHUNK_ROWS = 4096
 
 
 def decode(tensor: Any) -> Blocks | None:
-    """A GGUF tensor's blocks, or None where its type is not one this module maps."""
-    decoder = DECODERS.get(tensor.tensor_type)
+    """A GGUF tensor's blocks, or None where its type is not one of :data:`DECODERS`."""
+    if tensor.tensor_type not in DECODERS:
+        return None
+    return decode_rows(np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1), tensor.tensor_type)
+
+
+def decode_rows(rows: np.ndarray, kind: int) -> Blocks | None:
+    """GGUF rows (u8 [N, bytes per row]) of ``kind`` as blocks, :data:`CHUNK_ROWS` at a time;
+    None where the type is not one of :data:`ROW_DECODERS`."""
+    decoder = ROW_DECODERS.get(Q(kind))
     if decoder is None:
         return None
-    _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml's order: columns first
-    codes, element, scale, zero = decoder(np.asarray(tensor.data).reshape(-1, type_size))
-    group = codes.shape[-1]
-    shape = (rows, cols // group)
-    return Blocks(
-        codes.reshape(*shape, group),
-        element,
-        scale.reshape(*shape, 1),
-        None if zero is None else zero.reshape(*shape, 1),
-    )
+    block, size = gguf.GGML_QUANT_SIZES[Q(kind)]
+    n, cols = rows.shape[0], rows.shape[1] // size * block
+    codes, element, scale, zero = np.empty(0), ov.Type.dynamic, np.empty(0), None
+    for start in range(0, n, CHUNK_ROWS):
+        part = np.ascontiguousarray(rows[start : start + CHUNK_ROWS])
+        c, element, s, z = decoder(part.reshape(-1, size))
+        group, done = c.shape[-1], slice(start, start + part.shape[0])
+        if start == 0:
+            codes = np.empty((n, cols // group, group), dtype=c.dtype)
+            scale = np.empty((n, cols // group, 1), dtype=np.float32)
+            zero = None if z is None else np.empty_like(scale)
+        codes[done] = c.reshape(part.shape[0], -1, group)
+        scale[done] = s.reshape(part.shape[0], -1, 1)
+        if zero is not None and z is not None:
+            zero[done] = z.reshape(part.shape[0], -1, 1)
+    return Blocks(codes, element, scale, zero)
 
 
 def gguf_name(ir_name: str) -> str | None:
@@ -178,9 +209,24 @@ def unpermute(name: str, rows: int, heads: dict[str, int]) -> np.ndarray | None:
     return np.argsort(permuted)
 
 
+def codes_constant(codes: np.ndarray, element: ov.Type) -> ov.Node:
+    """``codes`` as a constant of ``element``; 4-bit ones packed here, two a byte, the first in the
+    low nibble, a slice at a time (OpenVINO's own packing from an array goes through a copy of 8
+    bytes a code: 1.9 GB for a vocabulary of 152k rows of 1536)."""
+    if element.bitwidth != 4:
+        return ops.constant(codes, dtype=element)
+    tensor = ov.Tensor(element, ov.Shape(list(codes.shape)))
+    packed, pairs = tensor.data.reshape(-1).view(np.uint8), codes.reshape(-1, 2)
+    step = CHUNK_ROWS * 4096
+    for start in range(0, len(pairs), step):
+        pair = pairs[start : start + step].view(np.uint8) & 0x0F
+        packed[start : start + len(pair)] = pair[:, 0] | (pair[:, 1] << 4)
+    return ov.op.Constant(tensor)
+
+
 def subgraph(blocks: Blocks, shape: list[int], out: ov.Type) -> ov.Output:
     """codes -> f16, minus zero point, times scale, reshaped to the weight, converted to ``out``."""
-    w = ops.convert(ops.constant(blocks.codes, dtype=blocks.element), ov.Type.f16)
+    w = ops.convert(codes_constant(blocks.codes, blocks.element), ov.Type.f16)
     if blocks.zero is not None:
         w = ops.subtract(w, ops.constant(blocks.zero.astype(np.float16)))
     w = ops.multiply(w, ops.constant(blocks.scale.astype(np.float16)))
@@ -249,7 +295,7 @@ def rewrite_ir(ir: Path, gguf_path: Path) -> None:
     xml = ir / "openvino_model.xml"
     model = ov.Core().read_model(xml)
     # stdout: the preparation shows a child's stdout as it goes (engine.prepare.convert.run_child)
-    rewrite(model, gguf.GGUFReader(gguf_path), lambda m: print(m, flush=True), progress=sys.stdout)
+    rewrite(model, open_gguf(gguf_path), lambda m: print(m, flush=True), progress=sys.stdout)
     temporary = ir / "blocks.xml"
     ov.save_model(model, temporary, compress_to_fp16=False)
     del model

@@ -1,13 +1,23 @@
-"""A model's graph on ggml's kernels built straight from its GGUF file: no torch, no dequantized
-copy of the weights, no fp16 IR on the way (issue 73; after openvino.genai's
-``gguf_modeling.cpp`` and ``building_blocks.cpp``).
+"""A model's graphs built straight from its GGUF file: no torch, no dequantized copy of the
+weights, no fp16 IR on the way (after openvino.genai's ``gguf_modeling.cpp`` and
+``building_blocks.cpp``).
 
 The file's metadata gives the shape (layers, heads, RoPE base, norm epsilon) and its tensors the
-weights. Every linear layer and the head are GgmlLinear nodes on the file's own rows, grouped and
-interleaved exactly as :func:`engine.prepare.ggml_ir.rewrite` makes them from the exported IR (a
-layer's q, k and v in one node, its gate and up in another; a llama file's q and k rows put back
-in the model's order; the token embedding's rows as the head where the file has no
-``output.weight``). The rest is laid out op for op as optimum-intel's stateful export lays it out
+weights. One builder lays out both graphs of a prepared model; only the factory of its linear
+layers and head differs (a llama file's q and k rows put back in the model's order first; the
+token embedding's rows as the head where the file has no ``output.weight``):
+
+- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml3.xml``): GgmlLinear nodes on the file's
+  own rows, grouped and interleaved exactly as :func:`engine.prepare.ggml_ir.rewrite` makes them
+  from an exported IR (a layer's q, k and v in one node, its gate and up in another);
+- on the plugin's (:class:`OnPlugin`, ``openvino_model.xml``): a MatMul per matrix on its blocks'
+  codes, converted, minus the zero point, times the scale in f16 (gguf_blocks.subgraph: the
+  compressed-weight pattern the plugin fuses into its kernels), named as the export names it.
+
+``four_bit`` (a model prepared in int4): the rows in 4-bit blocks (engine.prepare.four_bit), the
+embedding's too, and both graphs read the same ones.
+
+The rest is laid out op for op as optimum-intel's stateful export lays it out
 (RMSNorm, RoPE from ``position_ids``, the KV cache in ReadValue/Assign variables gathered by
 ``beam_idx``, grouped-query heads expanded before ScaledDotProductAttention), so that the CPU
 plugin fuses it as it fuses today's graph and :class:`engine.core.runtime.Runtime`, the batcher
@@ -23,12 +33,16 @@ for bit (tests/test_gguf_graph.py).
 
 Architectures: llama, qwen2 and qwen3. Any other, or a feature these graphs do not model (RoPE
 scaling, partial rotary dimensions, per-layer head counts), raises :class:`UnsupportedModel`, so a
-caller can prepare the model the old way instead."""
+caller can prepare the model through transformers and optimum-intel instead."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +58,8 @@ from engine import ggml
 from engine.errors import PrepareError
 from engine.ggml import GGML_XML
 from engine.prepare import gguf_blocks
+from engine.prepare.four_bit import in_four_bits
+from engine.prepare.gguf_file import open_gguf
 
 Q = gguf.GGMLQuantizationType
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -51,9 +67,14 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MASKED = -65504.0
 # The friendly name of the RoPE frequencies' constant (tests compare against the export's).
 INV_FREQ = "rope.inv_freq"
-# What a layer's projections are called in the file, and in optimum-intel's export (which
-# gguf_blocks.unpermute reads a llama file's permuted heads by).
-PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj"}
+# A layer's q, k and v projections, as the file names them.
+PROJECTIONS = ("attn_q", "attn_k", "attn_v")
+# The file's names of a layer's matrices -> the modules optimum-intel's export names them by.
+MODULES = {short: module for module, short in gguf_blocks.LAYER_NAMES.items()}
+# The plugin's graph (the ggml one: GGML_XML).
+PLUGIN_XML = "openvino_model.xml"
+# What a prepared model's manifest records as its "graph" where it was built here.
+FROM_FILE = "gguf_graph"
 
 
 class UnsupportedModel(PrepareError):
@@ -165,55 +186,72 @@ def _rows(tensor: Any) -> tuple[np.ndarray, int]:
     return np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1), int(tensor.tensor_type)
 
 
+def _columns(rows: np.ndarray, kind: int) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[Q(kind)]
+    return rows.shape[1] // size * block
+
+
+def _drop(tensor: Any) -> None:
+    """Drop ``tensor``'s whole pages of the file's mapping from this process once the graph holds
+    its copy: the reader maps the whole file, and pages read stay resident (counted in the
+    process's memory, which would grow by the file's size) until dropped; a later read faults
+    them in again from the page cache. (As engine.core.hugepages drops a graph's mapped weights.)"""
+    view = tensor.data
+    if not isinstance(view, np.memmap):  # (rows in memory: nothing to drop, nor to zero)
+        return
+    start = -(-view.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    stop = (view.ctypes.data + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
+
+
 def _values(tensor: Any) -> np.ndarray:
     """A norm's weight or a bias in f32 (the file stores them so)."""
     return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32).reshape(-1)
 
 
-def q5_0(tensor: Any) -> gguf_blocks.Blocks:
-    """A Q5_0 tensor's blocks as i8 codes (the 5-bit value minus 16) times each block's f16 scale:
-    exactly the file's values, at a byte a weight where fp16 takes two."""
-    block, size = gguf.GGML_QUANT_SIZES[Q.Q5_0]
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-    raw = np.asarray(tensor.data).view(np.uint8).reshape(-1, size)
-    scale = raw[:, :2].copy().view(np.float16).astype(np.float32)
-    high = raw[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
-    low = (raw[:, 6:, None] >> np.array([0, 4], dtype=np.uint8)).swapaxes(1, 2).reshape(-1, block) & 0x0F
-    codes = (low | ((high & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-    groups = cols // block
-    return gguf_blocks.Blocks(codes.reshape(rows, groups, block), ov.Type.i8, scale.reshape(rows, groups, 1), None)
+def dense(rows: np.ndarray, kind: int) -> np.ndarray:
+    """Rows of a type kept in no blocks (gguf_blocks.ROW_DECODERS) as values: F32 in f32, the others
+    in fp16 as the export carried them, a slice of rows at a time."""
+    values = np.empty((rows.shape[0], _columns(rows, kind)), dtype=np.float32 if kind == Q.F32 else np.float16)
+    for start in range(0, rows.shape[0], gguf_blocks.CHUNK_ROWS):
+        part = np.ascontiguousarray(rows[start : start + gguf_blocks.CHUNK_ROWS])
+        values[start : start + part.shape[0]] = gguf.quants.dequantize(part, Q(kind)).reshape(part.shape[0], -1)
+    return values
 
 
 def decoded(blocks: gguf_blocks.Blocks, shape: list[int]) -> ov.Output:
     """``(codes - zero point) * scale`` in f32, reshaped to the weight: the pattern the CPU plugin
-    fuses into its gather, which keeps the codes as they are and the scales in f32 (today's graph
-    gives it scales rounded to fp16, gguf_blocks.subgraph, which it widens to f32 all the same)."""
-    values = ops.convert(ops.constant(blocks.codes, dtype=blocks.element), ov.Type.f32)
+    fuses into its gather, which keeps the codes as they are and the scales in f32 (an exported
+    graph gives it scales rounded to fp16, gguf_blocks.subgraph, which it widens to f32 all the same)."""
+    values = ops.convert(gguf_blocks.codes_constant(blocks.codes, blocks.element), ov.Type.f32)
     if blocks.zero is not None:
         values = ops.subtract(values, _constant(blocks.zero))
     values = ops.multiply(values, _constant(blocks.scale))
     return ops.reshape(values, _constant(shape, np.int64), False).output(0)
 
 
-def embedding_table(tensor: Any) -> tuple[ov.Output, int]:
+def embedding_table(tensor: Any, four_bit: bool = False) -> tuple[ov.Output, int]:
     """The token embedding as the gather reads it (f32 [vocab, hidden]) and the bytes the CPU
-    plugin keeps of it. Q4_K, Q6_K, Q8_0, Q4_0 (gguf_blocks.decode) and Q5_0 (:func:`q5_0`) stay
-    in their codes, with f32 scales (and zero points): the file's values (Q4_K's to f32 rounding,
-    its min taken as a zero point), at what today's graph costs (measured: the plugin's gather
-    held u4 or i8 codes and f32 scales). F32 stays f32, F16 f16; other types (Q5_K, Q3_K, IQ*) are
-    dequantized to fp16 values, as the export carried them."""
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-    kind = Q(tensor.tensor_type)
-    blocks = q5_0(tensor) if kind == Q.Q5_0 else gguf_blocks.decode(tensor)
+    plugin keeps of it. Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 (gguf_blocks.decode_rows) stay in their
+    codes, with f32 scales (and zero points): the file's values (Q4_K's to f32 rounding, its min
+    taken as a zero point), at what an exported graph costs (measured: the plugin's gather held u4
+    or i8 codes and f32 scales). F32 stays f32, F16 f16; other types (Q5_K, Q3_K, IQ*) are
+    dequantized to fp16 values, as the export carried them. ``four_bit``: in 4-bit blocks
+    (engine.prepare.four_bit)."""
+    rows, kind = _rows(tensor)
+    if four_bit:
+        rows, kind = in_four_bits(rows, kind)
+    shape = [rows.shape[0], _columns(rows, kind)]
+    blocks = gguf_blocks.decode_rows(rows, kind)
     if blocks is not None:
         per_group = 4 * (1 if blocks.zero is None else 2)
         size = blocks.codes.size * blocks.element.bitwidth // 8 + per_group * blocks.scale.size
-        return decoded(blocks, [rows, cols]), size
-    values = gguf.quants.dequantize(np.asarray(tensor.data), kind).reshape(rows, cols)
-    if kind == Q.F32:
+        return decoded(blocks, shape), size
+    values = dense(rows, kind) if kind != Q.F16 else rows.view(np.float16).reshape(shape)
+    if values.dtype == np.float32:
         return _constant(values), values.nbytes
-    table = ops.constant(values.astype(np.float16))
-    return ops.convert(table, ov.Type.f32).output(0), rows * cols * 2
+    return ops.convert(ops.constant(values), ov.Type.f32).output(0), values.nbytes
 
 
 def inv_freq(shape: Shape) -> np.ndarray:
@@ -221,14 +259,90 @@ def inv_freq(shape: Shape) -> np.ndarray:
     return (1.0 / shape.rope_base ** (np.arange(0, shape.head_dim, 2) / shape.head_dim)).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class Weight:
+    """A matrix as the file stores it, its rows in the model's order: u8 [N, bytes per row] of a
+    ggml type; ``module``: what optimum-intel's export names it by (``model.layers.0.mlp.up_proj``,
+    ``lm_head``)."""
+
+    module: str
+    rows: np.ndarray
+    kind: int
+
+
+class Linears:
+    """How a graph multiplies by the file's matrices: ``x @ W^T`` for each of ``weights`` that reads
+    ``x``. ``parameters``: the graph inputs it adds; ``done``: what it made, by type, for the log."""
+
+    def __init__(self) -> None:
+        self.parameters: list[ov.Node] = []
+        self.done: Counter[str] = Counter()
+
+    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
+        raise NotImplementedError
+
+
+class OnGgml(Linears):
+    """GgmlLinear nodes on the rows, those that read one input in one node (ggml.linears:
+    interleaved where ggml has kernels for that), with the pass's flags as an input."""
+
+    def __init__(self, library: Path) -> None:
+        super().__init__()
+        self.library = library
+        self.gemm = ggml.gemm_input()
+        self.parameters = [self.gemm]
+
+    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
+        outputs = ggml.linears(x, [(w.rows, w.kind) for w in weights], self.library, gemm=self.gemm.output(0))
+        interleaved = outputs[0].get_node().get_attributes()["interleaved"]
+        for weight, grouped in zip(weights, interleaved):
+            self.done[Q(weight.kind).name + (" interleaved" if grouped else "")] += 1
+        self.done["nodes"] += 1
+        return outputs
+
+
+class OnPlugin(Linears):
+    """A MatMul per matrix on its blocks' codes (gguf_blocks.subgraph: f16 scales and zero points,
+    the compressed weights the plugin fuses into its kernels), or on fp16 values where the type has
+    no blocks here (f32 for F32 rows). Each is named as the export names it, so
+    :func:`engine.prepare.ggml_ir.rewrite` reads this graph as it reads an exported one."""
+
+    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
+        return [self.matmul(x, weight) for weight in weights]
+
+    def matmul(self, x: ov.Output, weight: Weight) -> ov.Output:
+        shape = [weight.rows.shape[0], _columns(weight.rows, weight.kind)]
+        blocks = gguf_blocks.decode_rows(weight.rows, weight.kind)
+        if blocks is not None:
+            matrix = gguf_blocks.subgraph(blocks, shape, ov.Type.f32)
+            self.done[Q(weight.kind).name] += 1
+        else:
+            values = dense(weight.rows, weight.kind)
+            constant = ops.constant(values)
+            matrix = constant.output(0) if values.dtype == np.float32 else ops.convert(constant, ov.Type.f32).output(0)
+            self.done[f"{Q(weight.kind).name} as {values.dtype.name} values"] += 1
+        product = ops.matmul(x, matrix, transpose_a=False, transpose_b=True)
+        product.set_friendly_name(f"__module.{weight.module}/ov_ext::linear/MatMul")
+        return product.output(0)
+
+
+def _module(name: str) -> str:
+    """The export's module of the file's matrix ``name`` (``blk.0.attn_q``; the head's: lm_head)."""
+    if not name.startswith("blk."):
+        return "lm_head"
+    _, layer, short = name.split(".")
+    return f"model.layers.{layer}.{MODULES[short]}"
+
+
 class _Builder:
     """The graph, block by block (one instance per build: it holds the graph's shared inputs)."""
 
-    def __init__(self, reader: gguf.GGUFReader, library: Path, where: str):
+    def __init__(self, reader: gguf.GGUFReader, linears: Linears, where: str, four_bit: bool = False):
         self.shape = shape_of(reader, where)
         self.tensors = {t.name: t for t in reader.tensors}
         self.permuted = gguf_blocks.permuted_heads(reader)
-        self.library = library
+        self.multiply = linears
+        self.four_bit = four_bit
         self.where = where
         self.parameters = {
             name: ops.parameter(dims, kind, name=name)
@@ -241,7 +355,6 @@ class _Builder:
         }
         for name, parameter in self.parameters.items():
             parameter.output(0).get_tensor().set_names({name})
-        self.gemm = ggml.gemm_input()
         self.variables: list[Variable] = []
         self.sinks: list[ov.Node] = []
 
@@ -250,6 +363,21 @@ class _Builder:
         if tensor is None:
             raise UnsupportedModel(f"{self.where}: the file has no tensor {name}")
         return tensor
+
+    def weight(self, name: str) -> tuple[Weight, np.ndarray | None]:
+        """The file's matrix ``name`` in the model's row order (and that order, where a llama file
+        permuted it), in 4-bit blocks where the graph is."""
+        rows, kind = _rows(self.tensor(f"{name}.weight"))
+        module = _module(name)
+        order = gguf_blocks.unpermute(f"{module}.weight", rows.shape[0], self.permuted)
+        if order is not None:
+            rows = rows[order]
+        if self.four_bit:
+            rows, four = in_four_bits(rows, kind)
+            if four != kind:
+                self.multiply.done[f"{Q(kind).name} requantized"] += 1
+                kind = four
+        return Weight(module, rows, kind), order
 
     # -- blocks
 
@@ -265,17 +393,12 @@ class _Builder:
         return ops.multiply(_constant(gamma.reshape([*ones[:-1], -1])), normed).output(0)
 
     def linears(self, x: ov.Output, names: list[str]) -> list[ov.Output]:
-        """``x`` times each named weight, in one GgmlLinear node on the file's rows (ggml.linears:
-        interleaved where ggml has kernels for that), each output plus its bias where the file has
-        one. A llama file's q and k rows (and biases) are put back in the model's order first."""
-        weights, orders = [], []
+        """``x`` times each named matrix (by the graph's factory), each output plus its bias where
+        the file has one (a llama file's q and k biases put back in the model's order too)."""
+        weights, orders = zip(*(self.weight(name) for name in names))
+        outputs = self.multiply(x, list(weights))
         for name in names:
-            rows, kind = _rows(self.tensor(f"{name}.weight"))
-            projection = PROJECTIONS.get(name.split(".")[-1], "")
-            order = gguf_blocks.unpermute(f".{projection}.", rows.shape[0], self.permuted) if projection else None
-            weights.append((rows if order is None else rows[order], kind))
-            orders.append(order)
-        outputs = ggml.linears(x, weights, self.library, gemm=self.gemm.output(0))
+            _drop(self.tensor(f"{name}.weight"))
         for i, (name, order) in enumerate(zip(names, orders)):
             if f"{name}.bias" in self.tensors:
                 bias = _values(self.tensors[f"{name}.bias"])
@@ -360,7 +483,8 @@ class _Builder:
 
     def model(self) -> ov.Model:
         shape, p = self.shape, self.parameters
-        table, _ = embedding_table(self.tensor("token_embd.weight"))
+        table, _ = embedding_table(self.tensor("token_embd.weight"), self.four_bit)
+        _drop(self.tensor("token_embd.weight"))
         ids = ops.convert(p["input_ids"], ov.Type.i32)
         x = ops.gather(table, ids, _constant(0, np.int32)).output(0)
         batch = ops.gather(ops.shape_of(p["input_ids"], ov.Type.i64), _constant([0], np.int64), _constant(0, np.int64))
@@ -400,34 +524,60 @@ class _Builder:
             x = ops.add(x, down).output(0)
 
         hidden = self.rms_norm(x, "output_norm.weight")
-        head = "token_embd" if shape.tied else "output"
-        (logits,) = ggml.linears(hidden, [_rows(self.tensor(f"{head}.weight"))], self.library, gemm=self.gemm.output(0))
+        (logits,) = self.linears(hidden, ["token_embd" if shape.tied else "output"])
         result = ops.result(logits)
         result.output(0).get_tensor().set_names({"logits"})
-        parameters = [*p.values(), self.gemm]
-        model = ov.Model([result], self.sinks, parameters, self.variables, "gguf_graph")
+        parameters = [*p.values(), *self.multiply.parameters]
+        model = ov.Model([result], self.sinks, parameters, self.variables, FROM_FILE)
         model.validate_nodes_and_infer_types()
         return model
 
 
-def build(gguf_path: Path, library: Path) -> ov.Model:
+def build(
+    gguf_path: Path, library: Path | None = None, four_bit: bool = False, log: Callable[[str], None] | None = None
+) -> ov.Model:
     """The stateful model in ``gguf_path`` with its linear layers and head on ggml's kernels
-    (``library``: the op's, engine.prepare.kernels), as Runtime(kernels=library) reads it; raises
-    :class:`UnsupportedModel` where the file holds a model these graphs do not build."""
-    return _Builder(gguf.GGUFReader(gguf_path), library, str(gguf_path)).model()
+    (``library``: the op's, engine.prepare.kernels), as Runtime(kernels=library) reads it, or
+    without a library on the plugin's, as Runtime reads it; ``four_bit``: in 4-bit rows; ``log``:
+    told what the linear layers became. Raises :class:`UnsupportedModel` where the file holds a
+    model these graphs do not build."""
+    return _build(open_gguf(gguf_path), Path(gguf_path), library, four_bit, log)[0]
 
 
-def write(gguf_path: Path, out_dir: Path, library: Path) -> Path:
-    """:func:`build`'s graph saved as ``out_dir / GGML_XML``, with the config.json the runtime
-    reads beside it (and generation_config.json where the file names its end-of-text token); the
-    graph's xml is renamed into place last, so a folder holding it holds the rest. Returns the
-    xml's path. The folder still needs a tokenizer (and a manifest) to be a prepared model."""
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = gguf.GGUFReader(gguf_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    builder = _Builder(reader, library, str(gguf_path))
+def _build(
+    reader: gguf.GGUFReader,
+    gguf_path: Path,
+    library: Path | None,
+    four_bit: bool,
+    log: Callable[[str], None] | None,
+) -> tuple[ov.Model, Shape]:
+    linears = OnPlugin() if library is None else OnGgml(library)
+    builder = _Builder(reader, linears, str(gguf_path), four_bit)
     model = builder.model()
-    config = {**builder.shape.hf_config(), "_name_or_path": gguf_path.name}
+    if log is not None:
+        kernels = "the plugin's" if library is None else "ggml's"
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(linears.done.items()))
+        log(f"{gguf_path.name}: linear layers on {kernels} kernels, from the file: {counts}")
+    return model, builder.shape
+
+
+def write(
+    gguf_path: Path,
+    out_dir: Path,
+    library: Path | None = None,
+    four_bit: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """:func:`build`'s graph saved in ``out_dir`` (as ``GGML_XML`` with a ``library``, else as
+    :data:`PLUGIN_XML`), with the config.json the runtime reads beside it (and
+    generation_config.json where the file names its end-of-text token); the graph's xml is
+    renamed into place last, so a folder holding it holds the rest. Returns the xml's path. The
+    folder still needs a tokenizer (and a manifest) to be a prepared model."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = open_gguf(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, shape = _build(reader, gguf_path, library, four_bit, log)
+    config = {**shape.hf_config(), "_name_or_path": gguf_path.name}
     special = {
         name: int(value)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -437,8 +587,8 @@ def write(gguf_path: Path, out_dir: Path, library: Path) -> Path:
     if "eos_token_id" in special:
         generation = {k: v for k, v in special.items() if k != "pad_token_id"}
         (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    xml = out_dir / GGML_XML
-    partial = out_dir / f".{os.getpid()}.{GGML_XML}"
+    xml = out_dir / (PLUGIN_XML if library is None else GGML_XML)
+    partial = out_dir / f".{os.getpid()}.{xml.name}"
     ov.save_model(model, partial, compress_to_fp16=False)
     del model
     partial.with_suffix(".bin").replace(xml.with_suffix(".bin"))

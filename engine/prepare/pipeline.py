@@ -1,9 +1,12 @@
 """Get a target and a draft model onto disk as ready OpenVINO IR folders.
 
 ``python -m engine.prepare`` builds the embedded default pair; ``--target`` /
-``--draft`` take any source that :mod:`engine.prepare.sources` recognises. Results are
-cached by source identity and compression settings; every cache entry is built in
-a temporary folder and renamed into place only when complete.
+``--draft`` take any source that :mod:`engine.prepare.sources` recognises. A GGUF whose model
+:mod:`engine.prepare.gguf_graph` builds, kept in its blocks or in 4 bits, has its graph built
+straight from the file; any other source is exported by optimum-intel (a GGUF dequantized by
+transformers first) and compressed by NNCF. Results are cached by source identity and
+compression settings; every cache entry is built in a temporary folder and renamed into place
+only when complete.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ from pathlib import Path
 
 from engine.errors import PrepareError, TokenizerMismatchError
 from engine.manifest import MANIFEST, read
-from engine.prepare import disk, embedded, sources, vocab
-from engine.prepare.convert import PRECISIONS, Compression, dequantize_gguf, export_ir, keep_gguf_blocks
+from engine.prepare import disk, embedded, gguf_graph, sources, vocab
+from engine.prepare.convert import (
+    PRECISIONS,
+    Compression,
+    dequantize_gguf,
+    export_ir,
+    keep_gguf_blocks,
+    write_tokenizer,
+)
+from engine.prepare.gguf_file import open_gguf
+from engine.prepare.phases import phase
 from engine.prepare.sources import Kind, Source
 
 CACHE_ENV = "SPECCHAT_CACHE"
@@ -35,6 +47,9 @@ DEFAULT_PRECISION = {"target": "gguf", "draft": "int4"}
 WITHOUT_BLOCKS = "int8"
 # A Hugging Face Space's persistent storage, when the Space has it: prepared models outlive restarts.
 PERSISTENT_STORAGE = Path("/data")
+# What a manifest's "graph" says of a model exported by optimum-intel (gguf_graph.FROM_FILE: built
+# from its GGUF).
+EXPORTED = "optimum-intel"
 
 
 def default_cache_dir() -> Path:
@@ -111,10 +126,12 @@ def cached(entry: Path) -> PreparedModel | None:
 def local_source(source: Source, cache_dir: Path) -> Source:
     """Embedded and hub sources become a local GGUF file or HF folder."""
     if source.kind == Kind.EMBEDDED:
-        path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir, log)
+        with phase("download"):
+            path = embedded.fetch(embedded.EMBEDDED[source.spec], cache_dir, log)
         return Source(source.spec, Kind.GGUF, path)
     if source.kind == Kind.HUB:
-        return Source(source.spec, Kind.HF_FOLDER, download_from_hub(source.spec, cache_dir))
+        with phase("download"):
+            return Source(source.spec, Kind.HF_FOLDER, download_from_hub(source.spec, cache_dir))
     return source
 
 
@@ -210,6 +227,65 @@ def _build(spec: str, source: Source, compression: Compression, cache_dir: Path,
     _check_architecture(local)
     sha = _source_sha256(source if source.kind == Kind.EMBEDDED else local)
     build = scratch / "ir"
+    if builds_from_file(spec, local, compression):
+        graph = gguf_graph.FROM_FILE
+        _from_file(spec, local, compression, build)
+    else:
+        graph = EXPORTED
+        with phase("graph"):
+            _export(spec, local, compression, scratch, build)
+    vocabulary = vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))
+    sources.validate_ir(build)
+    manifest = {
+        "source": spec,
+        "kind": source.kind.value,
+        "sha256": sha,
+        "precision": compression.precision,
+        "compression": compression.as_dict(),
+        "graph": graph,
+        "versions": library_versions(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "vocabulary": asdict(vocabulary),
+    }
+    (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return sha
+
+
+def builds_from_file(spec: str, local: Source, compression: Compression) -> bool:
+    """Whether ``local`` is prepared by building its graph from the file (engine.prepare.gguf_graph):
+    a GGUF of a model those graphs build, in its own blocks (``gguf``) or in 4 bits (``int4``: the
+    file's Q4_K and Q4_0 rows, the rest requantized to Q4_0, whose groups of 32 are finer than any
+    ``--group-size``; ``--ratio`` below 1 and ``--asym`` are NNCF's, so they go through the export,
+    as int8 and fp16 do). Says why not where a GGUF cannot be."""
+    if local.kind != Kind.GGUF or compression.precision not in ("gguf", "int4"):
+        return False
+    if compression.precision == "int4" and (compression.ratio < 1.0 or not compression.sym):
+        log(f"{spec}: int4 with NNCF's settings (ratio {compression.ratio}, symmetric {compression.sym})")
+        return False
+    try:
+        gguf_graph.shape_of(open_gguf(local.local), spec)
+    except gguf_graph.UnsupportedModel as exc:
+        log(f"{exc}: prepared through transformers and optimum-intel instead")
+        return False
+    return True
+
+
+def _from_file(spec: str, local: Source, compression: Compression, build: Path) -> None:
+    """The plugin's graph built from the GGUF (its graph on ggml's kernels is built from it too,
+    on first use: engine.prepare.ggml_ir) and its tokenizer read from the file."""
+    four_bit = compression.precision == "int4"
+    weights = "in 4-bit blocks" if four_bit else "in the file's own blocks"
+    log(f"{spec}: building its graph from the file, weights {weights}")
+    with phase("graph"):
+        gguf_graph.write(local.local, build, four_bit=four_bit, log=log)
+    log(f"{spec}: reading its tokenizer from the file (transformers)")
+    with phase("tokenizer"):
+        write_tokenizer(local.local, build)
+
+
+def _export(spec: str, local: Source, compression: Compression, scratch: Path, build: Path) -> None:
+    """The IR exported by optimum-intel from a Hugging Face folder (a GGUF dequantized to one first),
+    its weights compressed by NNCF, or a GGUF's own blocks put back."""
     if local.kind == Kind.GGUF:
         disk.require_free(scratch.parent, _conversion_bytes(local), f"dequantize {spec}")
         log(f"{spec}: dequantizing GGUF to a temporary fp16 folder")
@@ -225,19 +301,6 @@ def _build(spec: str, source: Source, compression: Compression, cache_dir: Path,
     else:
         log(f"{spec}: exporting to OpenVINO IR, weights {compression.precision} (NNCF)")
         export_ir(str(hf), build, compression)
-    sources.validate_ir(build)
-    manifest = {
-        "source": spec,
-        "kind": source.kind.value,
-        "sha256": sha,
-        "precision": compression.precision,
-        "compression": compression.as_dict(),
-        "versions": library_versions(),
-        "seconds": round(time.perf_counter() - start, 1),
-        "vocabulary": asdict(vocab.Vocabulary.of(Source(spec, Kind.OV_IR, build))),
-    }
-    (build / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return sha
 
 
 def _is_prepared(spec: str, compression: Compression, cache_dir: Path) -> bool:

@@ -23,10 +23,10 @@ _PADDING = re.compile(r"\[PAD\d+\]")
 
 
 def _gguf_field(path: Path, name: str) -> ReaderField:
-    from gguf import GGUFReader
+    from engine.prepare.gguf_file import open_gguf
 
     try:
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, struct errors...
         raise PrepareError(f"{path}: not a readable GGUF file ({exc})") from exc
     field = reader.fields.get(name)
