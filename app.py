@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
     api = build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy)
     try:
-        demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)), limits=args.client_limits)
+        secret = browser_secret(cache_dir_from_args(args))
+        demo = build_app(engine, secret=secret, limits=args.client_limits, overflow=args.context_overflow)
         launch(demo, args.host, args.port, args.share, auth, api=api)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)

@@ -129,13 +129,14 @@ def last_text(output: list) -> str:
 
 
 def nan_settings(url: str, n: int) -> tuple[bool, str]:
-    body = json.dumps({"data": ["hello", [], False, *GREEDY[:2], None, 1.0, n, -1, ""]}).replace("null", "NaN")
+    data = ["hello", [], False, *GREEDY[:2], None, 1.0, n, -1, "window", ""]
+    body = json.dumps({"data": data}).replace("null", "NaN")
     text = last_text(raw_call(url, "respond", body, 30))
     return "temperature must be" in text, text[:80]
 
 
 def huge_message(url: str, n: int) -> tuple[bool, str]:
-    body = json.dumps({"data": ["x" * 2**20, [], False, *GREEDY, n, -1, ""]})
+    body = json.dumps({"data": ["x" * 2**20, [], False, *GREEDY, n, -1, "window", ""]})
     text = last_text(raw_call(url, "respond", body, 30))
     return "characters long" in text, text[:80]
 

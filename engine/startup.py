@@ -14,20 +14,29 @@ from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import KERNELS, Engine
 from engine.core.turns import NO_LIMITS
+from engine.core.window import Overflow
 from engine.ggml import ACTIVATIONS
-from engine.prepare import ggml_ir
+from engine.prepare import ggml_ir, phases
 from engine.prepare.pipeline import PreparedModel, cache_dir_from_args, prepare_from_args
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """What :func:`start_engine` takes besides the models: the device, the input cap, the
-    conversations kept and the memory budget."""
+    """What :func:`start_engine` takes besides the models: the device, the input cap and what
+    becomes of a longer conversation, the conversations kept and the memory budget."""
     parser.add_argument("--device", default="CPU", help="OpenVINO device for both models")
     parser.add_argument(
         "--max-input-tokens",
         type=int,
         default=None,
         help="the longest conversation accepted, in tokens (default: 3/4 of the context, within --memory-limit)",
+    )
+    parser.add_argument(
+        "--context-overflow",
+        choices=tuple(Overflow),
+        default=os.environ.get("SPECCHAT_CONTEXT_OVERFLOW", Overflow.WINDOW),
+        help="a conversation longer than the input cap: window leaves its oldest turns out of the model's view "
+        "(the system prompt stays), stop refuses it; a request may choose for itself "
+        "(default: $SPECCHAT_CONTEXT_OVERFLOW, else window)",
     )
     parser.add_argument(
         "--max-sessions",
@@ -88,10 +97,24 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
     """Prepare the models (converting them on first use; a lock per cache entry keeps two
     processes on one machine from converting the same model twice) and load them once.
     ``threads``: the CPU threads each model may use (default: the plugin's, every core)."""
-    target, draft = prepare_from_args(args)
+    with ggml_ir.built_meanwhile(
+        (args.target, args.draft) if getattr(args, "kernels", "auto") != "openvino" else (), cache_dir_from_args(args)
+    ):
+        target, draft = prepare_from_args(args)
     library = kernels_library(args, (target, draft))
     logging.getLogger("specchat.prepare").info(f"loading and warming up the models on {args.device}")
     limit = {} if threads is None else {"INFERENCE_NUM_THREADS": threads}
+    prepared_here = phases.summary() is not None
+    with phases.phase("loading and measuring"):
+        engine = _engine(args, target, draft, library, limit)
+    if prepared_here:  # (a first start: say where its time went)
+        logging.getLogger("specchat.prepare").info(f"first start, time spent: {phases.summary()}")
+    return engine
+
+
+def _engine(
+    args: argparse.Namespace, target: PreparedModel, draft: PreparedModel, library: Path | None, limit: dict
+) -> Engine:
     return Engine(
         target.path,
         draft.path,
@@ -99,6 +122,7 @@ def start_engine(args: argparse.Namespace, threads: int | None = None) -> Engine
         config=TARGET_CONFIG | limit,
         draft_config=DRAFT_CONFIG | limit,
         max_input_tokens=args.max_input_tokens,
+        context_overflow=getattr(args, "context_overflow", Overflow.WINDOW),
         max_sessions=args.max_sessions,
         memory_limit=getattr(args, "memory_limit", None),
         client_limits=getattr(args, "client_limits", None) or NO_LIMITS,

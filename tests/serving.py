@@ -113,6 +113,6 @@ def serve(
         scheduler.submit(request, Prompt(list(prompt)), stream, lambda: None)
         final = next(event for event in stream if event.final)
     finally:
-        scheduler.close()
+        scheduler.worker.close()
     assert final.kind == "done", final.error
     return list(final.token_ids), SimpleNamespace(**final.metrics)

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from engine.core.budget import ANSWER_BLOCK, HEADROOM, MemoryBudget
+from engine.core.cache_manager import OUT_OF_MEMORY
 from engine.core.decoding import PREFILL_CHUNK
 from engine.core.memory import peak_rss_since, reset_peak_rss
 from engine.core.reader import RESIDENT_PER_READ_BYTE
 from engine.core.reading import READ_PASS
 from engine.core.requests import Event, Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
-from engine.core.scheduler import OUT_OF_MEMORY
 from engine.core.service import Engine
 
 

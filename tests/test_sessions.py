@@ -17,9 +17,9 @@ from engine.core import chat
 from engine.core.pacing import Pacing
 from engine.core.requests import Request, Stream
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
-from engine.core.scheduler import CLOSED
 from engine.core.service import Engine
 from engine.core.sessions import CONTINUES, Opening, Session
+from engine.core.worker import CLOSED
 from engine.errors import EngineError
 
 ANSWER = 16

@@ -334,7 +334,8 @@ def table_markdown(rows: list[dict], note: str) -> str:
 def wire(engine: EngineClient, tab: CompareTab, sidebar: Sidebar) -> None:
     """The tab's events (the sidebar gives the settings but the mode); its Stop cancels them."""
     shown = streaming.components_named(CompareUpdate._fields, tab)
-    settings = [c for c in sidebar.settings if c is not sidebar.mode]  # (each side has its own mode)
+    # (each side has its own mode; one message never passes the input cap)
+    settings = [c for c in sidebar.settings if c is not sidebar.mode and c is not sidebar.context_overflow]
     events = [
         tab.run_compare.click(
             bound(compare, engine),  # (Gradio passes the request only where it sees its type)

@@ -142,7 +142,8 @@ def web_app(args: argparse.Namespace, engine: EngineClient) -> FastAPI:
     """The page and the API on ``engine`` as one ASGI app: what the cluster's ingress serves."""
     server = FastAPI()
     server.include_router(build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy))
-    demo = build_app(engine, secret=browser_secret(cache_dir_from_args(args)), limits=args.client_limits)
+    secret = browser_secret(cache_dir_from_args(args))
+    demo = build_app(engine, secret=secret, limits=args.client_limits, overflow=args.context_overflow)
     return gr.mount_gradio_app(server, demo, path="/", auth=parse_auth(args.auth), **page_options())
 
 

@@ -13,6 +13,7 @@ import gradio as gr
 
 from engine.cli import ASSETS
 from engine.core.turns import NO_LIMITS, ClientLimits
+from engine.core.window import Overflow
 from engine.interface import EngineClient
 from ui import chat, compare, conversations, sidebar, streaming
 from ui.render import Turn, header_html, status_html
@@ -31,11 +32,13 @@ def build_app(
     examples: list[dict] | None = None,
     secret: str | None = None,
     limits: ClientLimits = NO_LIMITS,
+    overflow: str = Overflow.WINDOW,
 ) -> gr.Blocks:
     """The whole UI on one engine. ``examples``: [{"label", "prompt"}] (default:
     assets/examples.json). ``secret``: the key the conversations kept in each browser are
     encrypted with (default: a new one, so they last as long as this server). ``limits``: what
-    the engine allows each visitor, stated on the page."""
+    the engine allows each visitor, stated on the page. ``overflow``: the page's setting for a
+    conversation past the input cap, as it starts (the server's ``--context-overflow``)."""
     examples = load_examples() if examples is None else examples
     with gr.Blocks(
         title="SpecChat · speculative decoding on CPU",
@@ -49,7 +52,7 @@ def build_app(
         if said := limits.describe():
             gr.Markdown(f"This shared server allows each visitor {said}.", elem_id="limits")
         status_timer = gr.Timer(1.0, active=engine.state != "ok")
-        side = sidebar.create_ui(engine)
+        side = sidebar.create_ui(engine, overflow)
         with gr.Tab("Chat"):
             chat_tab = chat.create_ui(engine, examples)
         with gr.Tab("Compare"):

@@ -105,11 +105,32 @@ def footer_message(turn: Turn, last: bool) -> dict | None:
     return footer
 
 
+def out_of_view(turns: list[Turn]) -> tuple[int, int]:
+    """How many messages the model did not see when it wrote the last answer (engine.core.window),
+    and the turn its view started at (0, 0 where it saw them all). Failed turns were not sent."""
+    answered = [i for i, t in enumerate(turns) if t.get("metrics")]
+    if not answered:
+        return 0, 0
+    hidden = turns[answered[-1]]["metrics"].get("messages_out_of_view", 0)
+    sent = [i for i, t in enumerate(turns[: answered[-1]]) if not t.get("failed")]
+    return (hidden, sent[hidden]) if 0 < hidden < len(sent) else (0, 0)
+
+
+def out_of_view_note(hidden: int) -> dict:
+    """The line above the turns the model still sees: the earlier ones stay here, and in exports."""
+    said = f"{hidden} earlier message{' is' if hidden == 1 else 's are'} out of the model's view"
+    return {"role": "assistant", "content": f'<div class="out-of-view">{said}</div>'}
+
+
 def drawn(turns: list[Turn], colour: bool) -> list[tuple[int, dict]]:
-    """The chatbot's messages, each with the turn it draws (footers draw their answer's turn);
-    an empty user message is not drawn, only the error it caused."""
+    """The chatbot's messages, each with the turn it draws (footers draw their answer's turn, the
+    note on what the model no longer sees the turn below it); an empty user message is not
+    drawn, only the error it caused."""
     messages: list[tuple[int, dict]] = []
+    hidden, view = out_of_view(turns)
     for i, t in enumerate(turns):
+        if hidden and i == view:
+            messages.append((i, out_of_view_note(hidden)))
         if t["role"] == "user":
             if t["content"].strip():
                 messages.append((i, {"role": "user", "content": t["content"]}))

@@ -9,6 +9,7 @@ import gradio as gr
 
 from engine.core.modes import MODES
 from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TEMPERATURE
+from engine.core.window import Overflow
 from engine.interface import EngineClient
 from ui import streaming
 from ui.render import metrics_html
@@ -35,6 +36,7 @@ class Sidebar:
     top_p: gr.Slider
     max_new_tokens: gr.Slider
     seed: gr.Number
+    context_overflow: gr.Radio
     metrics_panel: gr.HTML
     tps_plot: gr.LinePlot
     metrics_json: gr.JSON
@@ -46,8 +48,10 @@ class Sidebar:
         return streaming.components_named([field.name for field in fields(streaming.Settings)], self)
 
 
-def create_ui(engine: EngineClient) -> Sidebar:
-    """The sidebar's layout: the mode and the figures first, then the conversations and the settings."""
+def create_ui(engine: EngineClient, overflow: str = Overflow.WINDOW) -> Sidebar:
+    """The sidebar's layout: the mode and the figures first, then the conversations and the
+    settings (``overflow``: what becomes of a conversation past the input cap, as the server
+    does by default)."""
     max_tokens = max(16, min(MAX_CAP, engine.max_context))
     with gr.Sidebar(width=360, label="Settings", elem_id="sidebar"):
         # What the app is for first: the switch between the decoding modes and the live figures,
@@ -110,6 +114,13 @@ def create_ui(engine: EngineClient) -> Sidebar:
                 elem_id="max-new-tokens",
             )
             seed = gr.Number(-1, precision=0, minimum=-1, label="Seed", info="-1 = a new random seed each time")
+            context_overflow = gr.Radio(
+                list(Overflow),
+                value=overflow,
+                label="A conversation longer than the input cap",
+                info="window: its oldest turns leave the model's view; stop: it is refused",
+                elem_id="context-overflow",
+            )
         with gr.Accordion("All metrics (JSON)", open=False):
             metrics_json = gr.JSON(label="metrics")
     return Sidebar(
@@ -126,6 +137,7 @@ def create_ui(engine: EngineClient) -> Sidebar:
         top_p,
         max_new_tokens,
         seed,
+        context_overflow,
         metrics_panel,
         tps_plot,
         metrics_json,

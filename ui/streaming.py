@@ -68,10 +68,19 @@ class Settings:
     top_p: float
     max_new_tokens: int  # UNCAPPED: until the model stops, within its context
     seed: int | None  # None: a new random seed each time
+    context_overflow: str | None = None  # past the input cap (engine.core.window); None: the server's
 
     @classmethod
     def from_form(
-        cls, *, mode: str, k: float, temperature: float, top_p: float, max_new_tokens: float, seed: float | None
+        cls,
+        *,
+        mode: str,
+        k: float,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: float,
+        seed: float | None,
+        context_overflow: str | None = None,
     ) -> Settings:
         """The settings as the form sends them (4.0 for 4; seed -1: a new random one). What is out
         of range passes as it came, for the engine to refuse with its reason (an API caller is
@@ -83,6 +92,7 @@ class Settings:
             top_p=top_p,
             max_new_tokens=form_int(max_new_tokens),
             seed=None if seed is None or (_finite(seed) and seed < 0) else form_int(seed),
+            context_overflow=context_overflow,
         )
 
 
@@ -108,6 +118,7 @@ def make_request(
         seed=settings.seed,
         reuse_cache=reuse_cache,
         client=client,
+        context_overflow=settings.context_overflow,
     )
 
 

@@ -6,7 +6,9 @@ Requests go through the same engine queue as the web UI. Errors come in OpenAI's
 (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status a client expects:
 400 for a bad field, 401 for a wrong key, 429 with ``Retry-After`` when the caller holds its
 share of the queue (``engine.core.turns``), 503 when the engine is unhealthy. Two extensions pick
-the decoding: ``mode`` and ``k``; ``usage`` carries the speculative figures as well.
+the decoding: ``mode`` and ``k``; ``context_overflow`` what becomes of a conversation longer than
+the input cap (``engine.core.window``). ``usage`` carries the speculative figures as well, and
+``messages_out_of_view``: the messages the model did not see.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine.core.metrics import FinishReason
 from engine.core.requests import DEFAULT_K, DEFAULT_MODE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Event, EventKind, Stream
 from engine.core.requests import Request as EngineRequest
 from engine.core.turns import ADDRESS, KEY
+from engine.core.window import Overflow
 from engine.interface import EngineClient
 
 # OpenAI's finish reasons for ours: a cancelled or context-limited answer ended early.
@@ -81,6 +84,7 @@ class ChatCompletion(BaseModel):
     stream_options: StreamOptions | None = None
     mode: str = DEFAULT_MODE  # extension: the decoding mode
     k: int = DEFAULT_K  # extension: the draft length where the mode takes one
+    context_overflow: Overflow | None = None  # extension: past the input cap (None: the server's)
 
     def engine_request(self) -> EngineRequest:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -93,6 +97,7 @@ class ChatCompletion(BaseModel):
             top_p=self.top_p,
             seed=self.seed,
             stop_strings=tuple(stops),
+            context_overflow=self.context_overflow,
         )
 
 
@@ -118,6 +123,7 @@ def usage(metrics: dict) -> dict[str, Any]:
         "tokens_per_second": metrics["tokens_per_s"],
         "time_to_first_token_s": metrics["ttft_s"],
         "mode": metrics["mode"],
+        "messages_out_of_view": metrics["messages_out_of_view"],
     }
 
 

@@ -46,16 +46,21 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 class Prompt(NamedTuple):
     """A conversation's prompt ids, and where its answers are: each assistant message's content
-    with the token before it (the token whose logits gave the answer's first), as ``(start, stop)``."""
+    with the token before it (the token whose logits gave the answer's first), as ``(start, stop)``.
+    ``spans``: each message's tokens, from the template's text before it to its content's end;
+    ``out_of_view``: the messages of the conversation left out of it (engine.core.window)."""
 
     ids: list[int]
     spoken: tuple[tuple[int, int], ...] = ()
+    spans: tuple[tuple[int, int], ...] = ()
+    out_of_view: int = 0
 
     def continued(self, answer_ids: Sequence[int]) -> Prompt:
         """The prompt with an answer cut short appended: the answer goes on from its last token."""
         if not answer_ids:
             return self
-        return Prompt([*self.ids, *answer_ids], (*self.spoken, (len(self.ids) - 1, len(self.ids) + len(answer_ids))))
+        answer = (len(self.ids) - 1, len(self.ids) + len(answer_ids))
+        return self._replace(ids=[*self.ids, *answer_ids], spoken=(*self.spoken, answer))
 
 
 def prompt(tokenizer: Any, messages: Sequence[Message]) -> Prompt:
@@ -64,15 +69,20 @@ def prompt(tokenizer: Any, messages: Sequence[Message]) -> Prompt:
     rendered = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     spoken: list[tuple[int, int]] = []
+    spans = [(0, 0)] * len(messages)
+    before = 0  # where the template's text before the next message starts
     for i, part in enumerate(_PLACEHOLDERS.split(rendered)):
         if i % 2:  # a message's content: plain text, whatever it looks like
-            message, start = messages[int(part)], len(ids)
+            index, start = int(part), len(ids)
+            message = messages[index]
             ids += tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+            spans[index] = (before, len(ids))
             if message["role"] == "assistant" and start > 0:
                 spoken.append((start - 1, len(ids)))
-        elif part:  # the template's own text and control tokens
-            ids += tokenizer.encode(part, add_special_tokens=False)
-    return Prompt(ids, tuple(spoken))
+        else:  # the template's own text and control tokens
+            before = len(ids)
+            ids += tokenizer.encode(part, add_special_tokens=False) if part else []
+    return Prompt(ids, tuple(spoken), tuple(spans))
 
 
 def prompt_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:

@@ -68,6 +68,7 @@ class Stats:
     sharing: int = 1  # requests the engine served at the last round (this one included)
     peak_sharing: int = 1  # the most it served at any round of this request
     queue_s: float = 0.0  # from arrival until the engine took the request up
+    out_of_view: int = 0  # messages of the conversation left out of the prompt (engine.core.window)
 
     def add_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -121,6 +122,7 @@ class Stats:
             "sharing": self.sharing,
             "peak_sharing": self.peak_sharing,
             "queue_s": self.queue_s,
+            "messages_out_of_view": self.out_of_view,
         }
 
 

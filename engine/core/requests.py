@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from engine.core.chat import Message, check_messages
 from engine.core.metrics import ModeName, Stats
+from engine.core.window import Overflow
 from engine.errors import EngineError
 
 # Each setting's default, the one the API, the UI and a Request built in code all start from: the
@@ -53,6 +54,7 @@ class Request:
     reuse_cache: bool = True  # False: start both KV caches empty (fair benchmarks)
     client: str = ""  # who asks (a browser session, an API key or address): turns and limits are per client
     pooled: bool = True  # False: neither drafts from nor adds to the client's n-gram pool (Compare's runs)
+    context_overflow: str | None = None  # past the input cap (engine.core.window.Overflow); None: the server's
 
     def check(self, modes: Sequence[str], max_context: int) -> None:
         """Refuse what the engine must never see: unknown modes, numbers out of range or not
@@ -71,6 +73,9 @@ class Request:
             isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in self.stop_strings
         ):
             raise EngineError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+        if self.context_overflow is not None and self.context_overflow not in tuple(Overflow):
+            choices = ", ".join(Overflow)
+            raise EngineError(f"context_overflow must be one of {choices}; got {self.context_overflow!r:.40}")
         check_messages(self.messages)
         if self.answer_ids and not self.messages:
             raise EngineError("answer_ids continue an answer to messages: send the messages too")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine import ggml
-from engine.core import chat
+from engine.core import chat, window
 from engine.core.budget import MemoryBudget, gib
 from engine.core.draft_vocab import Ids, ids_key
 from engine.core.drafters import Drafter, Price
@@ -46,9 +46,11 @@ from engine.core.reader import (
 )
 from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
-from engine.core.scheduler import CLOSE_TIMEOUT, CLOSED, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
+from engine.core.window import Overflow
+from engine.core.worker import CLOSE_TIMEOUT, CLOSED
 from engine.errors import EngineError
 from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
@@ -85,6 +87,7 @@ class Engine:
         draft_config: dict | None = None,
         draft_vocab: Ids | None = DRAFT_VOCAB,
         max_input_tokens: int | None = None,
+        context_overflow: str = Overflow.WINDOW,
         step_timeout: float = STEP_TIMEOUT,
         max_sessions: int | None = None,
         memory_limit: int | None = None,
@@ -102,7 +105,9 @@ class Engine:
         :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the token ids the draft head
         computes logits for, most frequent first (:func:`engine.core.draft_vocab.frequent_ids`; the
         others get q = 0); None: all. ``max_input_tokens``: the longest
-        prompt accepted (default: :data:`INPUT_SHARE` of the context). ``step_timeout``: seconds
+        prompt accepted (default: :data:`INPUT_SHARE` of the context). ``context_overflow``: what
+        becomes of a longer conversation where its request does not say
+        (:class:`~engine.core.window.Overflow`). ``step_timeout``: seconds
         without progress after which a stream fails and the engine reports itself unhealthy.
         ``max_sessions``: conversations whose KV caches are kept (default:
         :data:`~engine.core.sessions.MAX_SESSIONS`, their bytes bounded by the budget).
@@ -124,6 +129,7 @@ class Engine:
         (:mod:`engine.core.measured`). The two models must share one vocabulary (``engine.prepare``
         checks it)."""
 
+        self.context_overflow = Overflow(context_overflow)
         return_freed_buffers()
         if library is not None:  # (checked once here, so that a CPU without 14 bits warns once)
             activations = supported_activations(activations, library)
@@ -295,13 +301,13 @@ class Engine:
     def with_models(self, fn: Callable[[Runtime, Runtime | None], T]) -> T:
         """Run ``fn(target, draft)`` on the worker thread, after the queued work, and return its
         result: the one way to use the models' runtimes directly (the tools measure with it)."""
-        return self.scheduler.call(lambda: fn(self.target, self.draft))
+        return self.scheduler.worker.call(lambda: fn(self.target, self.draft))
 
     @property
     def healthy(self) -> bool:
         """False while a request has made no progress for longer than ``step_timeout``: a stuck
         inference call (the worker recovers, and with it the health, when the call returns)."""
-        return not self.scheduler.stuck(self.step_timeout)
+        return not self.scheduler.worker.stuck(self.step_timeout)
 
     @property
     def models(self) -> dict[str, str]:
@@ -354,28 +360,37 @@ class Engine:
         return self.prompt(request).ids
 
     def prompt(self, request: Request) -> chat.Prompt:
-        """The request's prompt, refused above ``max_input_tokens`` or its client's own cap
-        (checked on characters first, so a multi-megabyte paste is never tokenized)."""
+        """The request's prompt within ``max_input_tokens`` or its client's own cap: a longer
+        conversation is windowed or refused, as its ``context_overflow`` says
+        (:mod:`engine.core.window`); what is refused is checked on characters first, so a
+        multi-megabyte paste is never tokenized."""
         cap = min(self.max_input_tokens, self._clients.limits.input_cap(request.client) or self.max_input_tokens)
-        if request.prompt_ids:
-            read = chat.Prompt(list(request.prompt_ids))
-        else:
-            if not request.messages or not str(request.messages[-1].get("content", "")).strip():
-                raise EngineError("the message is empty: type something first")
-            characters = sum(len(m["content"]) for m in request.messages)
-            if characters > cap * MAX_CHARS_PER_TOKEN:
-                raise self._too_long(f"{characters:,} characters", cap)
-            with self._tokenizing:
-                read = chat.prompt(self.tokenizer, request.messages)
+        read = chat.Prompt(list(request.prompt_ids)) if request.prompt_ids else self._conversation(request, cap)
         if len(read.ids) > cap:
-            raise self._too_long(f"{len(read.ids):,} tokens", cap)
+            raise self._too_long(f"{len(read.ids):,} tokens", cap, "the last turn" if read.out_of_view else "")
         if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in request.answer_ids):
             raise EngineError(f"answer_ids must be token ids from 0 to {self.target.vocab_size - 1}")
         if len(read.ids) + len(request.answer_ids) >= self.max_context:  # (an answer may grow past the input cap)
             raise EngineError(f"the answer fills the model's context ({self.max_context:,} tokens): it cannot go on")
         return read.continued(request.answer_ids)
 
-    def _too_long(self, length: str, cap: int) -> EngineError:
+    def _conversation(self, request: Request, cap: int) -> chat.Prompt:
+        """The prompt of the request's messages: the whole conversation, or the window of it that
+        fits ``cap`` (the last turn alone where none does, which the caller refuses)."""
+        messages = request.messages
+        if not messages or not str(messages[-1].get("content", "")).strip():
+            raise EngineError("the message is empty: type something first")
+        windowed = (request.context_overflow or self.context_overflow) == Overflow.WINDOW
+        kept = window.last_turn(messages) if windowed else messages  # (what no window leaves out)
+        characters = sum(len(m["content"]) for m in kept)
+        if characters > cap * MAX_CHARS_PER_TOKEN:
+            part = "the last turn" if len(kept) < len(messages) else ""
+            raise self._too_long(f"{characters:,} characters", cap, part)
+        with self._tokenizing:
+            return window.fit(self.tokenizer, messages, cap) if windowed else chat.prompt(self.tokenizer, messages)
+
+    def _too_long(self, length: str, cap: int, part: str = "") -> EngineError:
+        """Why a conversation (or ``part`` of it, which no window leaves out) is refused."""
         if cap < self.max_input_tokens:
             bound = "for a visitor who is not logged in on this shared server"
         elif self.max_input_tokens + MIN_ANSWER_ROOM >= self.budget.tokens:
@@ -383,8 +398,8 @@ class Engine:
         else:
             bound = f"the model's context holds {self.max_context:,}"
         return EngineError(
-            f"the conversation is {length} long; this server takes at most {cap:,} tokens of input ({bound}). "
-            f"Shorten the message or clear the chat."
+            f"{part or 'the conversation'} is {length} long; this server takes at most {cap:,} tokens of input "
+            f"({bound}). Shorten the message or clear the chat."
         )
 
     def text(self, token_ids: list[int]) -> str:
@@ -396,7 +411,7 @@ class Engine:
         that is not valid ends at once with an error event; nothing of it reaches the worker."""
         capped = self._clients.limits.answer_cap(request.client, request.max_new_tokens, self.max_context)
         request = replace(request, max_new_tokens=capped)
-        if not self.scheduler.accepting:
+        if not self.scheduler.worker.accepting:
             return Stream.refused(CLOSED, request.mode)
         try:
             prompt = self._checked(request)
@@ -414,7 +429,7 @@ class Engine:
         seconds once those still held are cancelled (the log says which). The models are freed
         with the engine then (a benchmark loads one engine after another in one process). The
         op's choices made while serving are kept for later starts."""
-        self.scheduler.close(timeout)
+        self.scheduler.worker.close(timeout)
         self._keep_kernel_choices()
 
     def __enter__(self) -> Engine:

@@ -19,6 +19,7 @@ GREEDY = {
     "top_p": 1.0,
     "max_new_tokens": 48,
     "seed": -1,
+    "context_overflow": "window",
 }
 text, last_answer = chaos.message_text, chaos.last_text  # one message's text, the last answer's
 

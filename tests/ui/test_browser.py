@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,11 @@ from benchmarks.chromium import (
     send,
     set_cap,
 )
+from engine.core import chat
+from engine.core.pacing import Pacing
+from engine.core.runtime import EXACT_CONFIG
+from engine.core.service import Engine
+from engine.core.turns import PUBLIC_LIMITS
 from tests.test_decoding import slowed
 from tests.ui.served import SlowEngine, serve
 from ui.page import load_examples
@@ -255,6 +261,40 @@ def test_conversations_survive_a_reload_and_can_be_switched_exported_and_importe
     upload(page, tmp_path / "notes.md")
     expect(page.get_by_text("not a SpecChat export")).to_be_visible()
     assert answers(page) == first  # nothing open was touched
+
+
+def test_a_conversation_past_a_strangers_cap_goes_on_its_oldest_turns_out_of_view_and_exported_whole(
+    open_app, ir_target, ir_draft, tmp_path
+):
+    """A shared link's limits with a small cap: turns that pass it twice over are all answered,
+    the page says above the turns in view how many earlier ones the model no longer sees, and the
+    export still holds every message."""
+    cap = 96
+    limits = replace(PUBLIC_LIMITS, stranger_input_tokens=cap)
+    engine = Engine(
+        ir_target, ir_draft, config=EXACT_CONFIG, pacing=Pacing(), client_limits=limits, prompt_reader="off"
+    )
+    page = open_app(engine)
+    set_cap(page, 12)
+    questions = [f"def f{i}(a, b):" for i in range(9)]
+    for question in questions:
+        send(page, question, "best")
+    note = page.locator("#chatbot .out-of-view")
+    expect(note).to_have_count(1)
+    hidden = int(note.inner_text().split()[0])
+    assert 0 < hidden < 2 * len(questions) and "earlier messages are out of the model's view" in note.inner_text()
+    assert page.locator(ANSWERS).filter(has_not=note).count() == len(questions)
+    assert "Could not answer" not in page.inner_text("#chatbot")
+
+    page.click("#export")
+    with page.expect_download() as download:
+        page.locator("#sidebar a[download]").first.click()
+    exported = tmp_path / download.value.suggested_filename
+    download.value.save_as(exported)
+    messages = json.loads(exported.read_text())["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == questions
+    assert len(messages) == 2 * len(questions) and messages[-1]["metrics"]["messages_out_of_view"] == hidden
+    assert len(chat.prompt_ids(engine.tokenizer, messages)) > 2 * cap  # (the cap passed twice over)
 
 
 def kept(page, title: str) -> None:

@@ -22,7 +22,7 @@ from engine.render import markdown
 from tests.test_decoding import idle, slowed
 from tests.ui.served import GREEDY, SlowEngine, ask, greedy_request, last_answer, serve, text
 from ui import streaming
-from ui.render import CONTINUE, footer_line
+from ui.render import CONTINUE, Turn, footer_line, render_chat, turn_of
 from ui.sidebar import create_ui, draft_modes
 
 
@@ -161,6 +161,31 @@ def test_a_footer_names_the_speedup_measured_where_plain_decoding_was_measured()
     assert footer_line({**m, "mode": "autoregressive", "speedup_vs_ar": 1.0}) == (
         "autoregressive · 64 tokens · 30.0 tokens/s"
     )
+
+
+def test_above_the_turns_in_the_models_view_the_chat_says_how_many_earlier_ones_are_out_of_it():
+    """The last answer's figures say how many messages it was written without; a failed turn was
+    not sent, so the line goes above the first message the model saw, all of them still drawn."""
+
+    def answer(hidden: int) -> Turn:  # (still streaming: no footer)
+        return {"role": "assistant", "content": "…", "metrics": {"finish_reason": "", "messages_out_of_view": hidden}}
+
+    turns: list[Turn] = [
+        {"role": "user", "content": "first"},
+        answer(0),
+        {"role": "user", "content": "refused", "failed": True},
+        {"role": "assistant", "content": "too long", "failed": True},
+        {"role": "user", "content": "second"},
+        answer(0),
+        {"role": "user", "content": "third"},
+        answer(2),
+    ]
+    drawn = render_chat(turns, colour=False)
+    notes = [i for i, m in enumerate(drawn) if "out-of-view" in m["content"]]
+    assert len(notes) == 1 and "2 earlier messages are out of the model's view" in drawn[notes[0]]["content"]
+    assert drawn[notes[0] + 1]["content"] == "second" and len(drawn) == len(turns) + 1
+    assert turn_of(turns, notes[0]) == 4  # (the message below it, for the chat's events)
+    assert not any("out-of-view" in m["content"] for m in render_chat([*turns[:-1], answer(0)], colour=False))
 
 
 def test_a_request_that_names_no_setting_gets_the_same_ones_from_the_page_the_api_and_code(engine):
