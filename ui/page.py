@@ -18,8 +18,8 @@ from engine.interface import EngineClient
 from ui import chat, compare, conversations, sidebar, streaming
 from ui.render import Turn, header_html, status_html
 
-QUEUE_POLL_S = 0.02  # how often Gradio's idle queue looks for new events (its default: 1 ms); see quiet_queue
-PROGRESS_POLL_S = 0.1  # how often it looks for progress to send (its default: 10 ms)
+QUEUE_POLL_S = 0.02  # how often Gradio's idle queue looks for new events (its default: 0.001 s); see quiet_queue
+PROGRESS_POLL_S = 0.1  # how often it looks for progress to send (its default: 0.01 s)
 
 
 def load_examples(path: Path = ASSETS / "examples.json") -> list[dict]:
@@ -99,7 +99,7 @@ def refresh_status(engine: EngineClient, turns: list[Turn]) -> StatusUpdate:
 
 def quiet_queue(demo: gr.Blocks) -> None:
     """Gradio's queue looks for new events every millisecond while it is idle and for progress
-    every 10 ms, taking a share of a core from decoding with no one connected. At QUEUE_POLL_S a
+    a hundred times a second, taking a share of a core from decoding with no one connected. At QUEUE_POLL_S a
     new request waits a little longer to start, and answers run faster (docs/benchmarks.md,
     "Gradio's idle queue")."""
     demo._queue.sleep_when_free = QUEUE_POLL_S

@@ -1,9 +1,9 @@
 """A GGUF's rows in 4-bit blocks, for a model prepared in int4 (the draft's default): the file's
 Q4_K and Q4_0 rows as they are, the others requantized to Q4_0 (the draft's rounding never reaches
-an answer: the target verifies). Its file's other types have no interleaved kernels, and a Q8_0
-head, Q5_0 layers and Q6_K rows took a draft step 19.6 ms against 11.8 in Q4_0 (two-token passes,
-AVX-512 AMD VM, 2026-11-28); on AVX2, where the plugin's int4 kernels compute in f32, they are the
-draft's fast kernels. Both of a model's graphs read the same rows (engine.prepare.gguf_graph)."""
+an answer: the target verifies). Its file's other types have no interleaved kernels, and a draft
+step on them cost much more than on Q4_0 rows (docs/design.md, "The draft in 4-bit rows"); on
+AVX2, where the plugin's int4 kernels compute in f32, they are the draft's fast kernels. Both of a
+model's graphs read the same rows (engine.prepare.gguf_graph)."""
 
 from __future__ import annotations
 

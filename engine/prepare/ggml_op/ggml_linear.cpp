@@ -76,10 +76,9 @@ constexpr int64_t ROWS_PER_TILE = 64;
 constexpr int64_t INTERLEAVE = 8;  // weight rows interleaved together
 constexpr int64_t GEMM_ROWS = 4;   // activation rows a gemm call takes at a time
 // From this many rows a prompt pass puts interleaved Q4_K rows back as stored and multiplies them
-// by ggml's tiled kernels; below, by the op's own multi-row kernel, which a 1536 -> 8960 layer
-// took less time through than through ggml's gemm or tiled kernels at every width up to 128 rows
-// (0.67 ms against 1.07 by gemm at 16 rows, 5.3 against 5.7 tiled at 128) and more at 256 (9.2
-// against 8.7).
+// by ggml's tiled kernels; below, by the op's own multi-row kernel, which a large layer took less
+// time through than through ggml's gemm or tiled kernels up to this width (docs/benchmarks.md,
+// "The op's fixed constants").
 constexpr int64_t TILED_ROWS = 256;
 constexpr size_t WEIGHTS = 2;      // the first weight's input (after x and the flags)
 // The flags input's bits: a pass multiplies by ggml's batched kernels (prompt passes), or by
@@ -194,9 +193,9 @@ inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
 
 // A block's bytes into the cache ahead of use, into the next weight rows (up to `end`, the last
 // of the thread's range): the blocks' compute, longer with more rows, would otherwise leave each
-// block's first lines to arrive from memory while the core waits. Six blocks (about 7 KB) ahead,
-// not two: a plain step 27.9 against 29.1 ms, median of 14 alternating processes, 12 of them
-// faster (AVX-512 AMD VM); twelve, 28.2.
+// block's first lines to arrive from memory while the core waits. Six blocks ahead, not two or
+// twelve, by plain steps timed in alternating processes (docs/benchmarks.md, "The op's fixed
+// constants").
 constexpr int64_t AHEAD = 6;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks, 8 of Q4_0)
 
 // (Always inlined: once the row kernels were templates, GCC 12 left out every prefetch of theirs,
@@ -1099,8 +1098,8 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
     const uint8_t* xq = p.x->data.data();
 #if defined(__AVX2__)
     // (a single row too: its bits are gemv's and vec_dot's, and the kernels prefetch their blocks
-    // ahead, which took a plain step from 28.3-28.9 to 26.0-27.7 ms where the VM's memory ran
-    // slower and left it within noise where it ran fast)
+    // ahead, which shortened a plain step where memory ran slow: docs/benchmarks.md, "The op's
+    // fixed constants")
     if (!p.gemm && p.own) {
         const int64_t blocks = k / QK_K;
         const uint8_t* end = p.w + last * p.w_row;
