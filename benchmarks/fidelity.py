@@ -55,6 +55,7 @@ from engine.core.chat import prompt_ids
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, IN_14_BITS, ON_GGML, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.errors import EngineError
 from engine.hf import auto_tokenizer
 from engine.prepare import ggml_ir
@@ -422,7 +423,9 @@ def _answer_with(args: argparse.Namespace, precision: str, items: list[Problem])
     engine closed and freed on return (one target in memory at a time)."""
     target_flag = {"target_precision": precision} if precision in PRECISIONS else {"target": precision}
     target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), **target_flag}))
-    with Engine(target.path, draft.path, kernels="auto", library=kernels_library(args, (target, draft))) as engine:
+    with Engine(
+        target.path, draft.path, Settings(kernels="auto", library=kernels_library(args, (target, draft)))
+    ) as engine:
 
         def ours(problem: Problem) -> tuple[str, int, float]:
             ids = engine.prompt_ids(Request(({"role": "user", "content": problem.question},)))

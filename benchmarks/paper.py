@@ -18,6 +18,7 @@ from benchmarks.report import Series, line_chart, several_engines_limit, write_t
 from engine import report
 from engine.cli import ASSETS, run_cli
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.prepare.convert import PRECISIONS, Compression
 from engine.prepare.pipeline import (
     DEFAULT_PRECISION,
@@ -45,7 +46,7 @@ def _rows(engine: Engine, prompts, ks: list[int], n: int, label: str) -> list[di
 
 def _setup(target: Path, draft: Path, prompts, ks: list[int], ns: list[int], label: str) -> list[dict]:
     """One engine's rows, the engine closed and freed before the next one loads."""
-    with Engine(target, draft, memory_limit=several_engines_limit()) as engine:
+    with Engine(target, draft, Settings(memory_limit=several_engines_limit())) as engine:
         return [row for n in ns for row in _rows(engine, prompts, ks, n, label)]
 
 

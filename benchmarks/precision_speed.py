@@ -20,6 +20,7 @@ from engine.cli import run_cli
 from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.prepare.convert import PRECISIONS
 from engine.prepare.pipeline import add_model_arguments, prepare_from_args
 from engine.report import markdown_table
@@ -32,7 +33,7 @@ def run_precisions(args: argparse.Namespace) -> None:
     for precision in args.precisions.split(","):
         target, draft = prepare_from_args(argparse.Namespace(**{**vars(args), "target_precision": precision}))
         # Each engine's budget counts the whole process, where every target is loaded.
-        engines[precision] = Engine(target.path, draft.path, memory_limit=several_engines_limit())
+        engines[precision] = Engine(target.path, draft.path, Settings(memory_limit=several_engines_limit()))
     runs: list[Run] = []
     for prompt_id, prompt in load_prompts(args.prompts)[: args.limit]:
         for precision, engine in engines.items():

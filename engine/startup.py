@@ -12,7 +12,8 @@ from typing import Any
 from engine.core.budget import parse_size
 from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
-from engine.core.service import KERNELS, Engine
+from engine.core.service import Engine
+from engine.core.settings import KERNELS, Settings
 from engine.core.turns import NO_LIMITS
 from engine.core.window import Overflow
 from engine.ggml import ACTIVATIONS
@@ -118,21 +119,23 @@ def _engine(
     return Engine(
         target.path,
         draft.path,
-        device=args.device,
-        config=TARGET_CONFIG | limit,
-        draft_config=DRAFT_CONFIG | limit,
-        max_input_tokens=args.max_input_tokens,
-        context_overflow=getattr(args, "context_overflow", Overflow.WINDOW),
-        max_sessions=args.max_sessions,
-        memory_limit=getattr(args, "memory_limit", None),
-        client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
-        shared_pool=getattr(args, "shared_pool", False),
-        prompt_reader=getattr(args, "prompt_reader", "auto"),
-        batch_speculation=getattr(args, "batch_speculation", "on") == "on",
-        kernels=getattr(args, "kernels", "auto"),
-        library=library,
-        activations=getattr(args, "activations", None),
-        remeasure=getattr(args, "remeasure", False),
+        Settings(
+            device=args.device,
+            config=TARGET_CONFIG | limit,
+            draft_config=DRAFT_CONFIG | limit,
+            max_input_tokens=args.max_input_tokens,
+            context_overflow=getattr(args, "context_overflow", Overflow.WINDOW),
+            max_sessions=args.max_sessions,
+            memory_limit=getattr(args, "memory_limit", None),
+            client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
+            shared_pool=getattr(args, "shared_pool", False),
+            prompt_reader=getattr(args, "prompt_reader", "auto"),
+            batch_speculation=getattr(args, "batch_speculation", "on") == "on",
+            kernels=getattr(args, "kernels", "auto"),
+            library=library,
+            activations=getattr(args, "activations", None),
+            remeasure=getattr(args, "remeasure", False),
+        ),
     )
 
 
@@ -147,15 +150,17 @@ def kernels_library(args: argparse.Namespace, models: tuple[PreparedModel, ...])
 
 def engine_from_args(args: argparse.Namespace, target: PreparedModel, draft: PreparedModel, **settings: Any) -> Engine:
     """An engine on prepared models with the command line's memory limit, prompt reader and
-    kernels (``settings``: more of :class:`Engine`'s), as the benchmarks load it."""
+    kernels (``settings``: more :class:`~engine.core.settings.Settings`), as the benchmarks load it."""
     return Engine(
         target.path,
         draft.path,
-        memory_limit=args.memory_limit,
-        prompt_reader=args.prompt_reader,
-        kernels=args.kernels,
-        library=kernels_library(args, (target, draft)),
-        activations=args.activations,
-        remeasure=getattr(args, "remeasure", False),
-        **settings,
+        Settings(
+            memory_limit=args.memory_limit,
+            prompt_reader=args.prompt_reader,
+            kernels=args.kernels,
+            library=kernels_library(args, (target, draft)),
+            activations=args.activations,
+            remeasure=getattr(args, "remeasure", False),
+            **settings,
+        ),
     )

@@ -79,10 +79,13 @@ def engine(ir_target, ir_draft):
     says nothing of a real pair's, and every round may pay (as in each tiny engine of the tests)."""
     from engine.core.pacing import Pacing
     from engine.core.service import Engine
+    from engine.core.settings import Settings
 
     # One session: the tests that inject faults or slowness patch engine.target, the one the
     # requests must then use (tests/test_sessions.py has its own engine with two).
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    return Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    )
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,16 @@ from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine
+from engine.core.settings import Settings
 
 ANSWER = 24
 
 
 @pytest.fixture(scope="module")
 def shared(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
+    return Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
+    )
 
 
 def ask(text: str, mode: str = "best", **fields) -> Request:

@@ -18,6 +18,7 @@ from engine.core.memory import resident_bytes
 from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.service import Engine
+from engine.core.settings import Settings
 
 pytestmark = pytest.mark.real
 QUESTION = "What is the capital of France? Answer in one word."
@@ -87,11 +88,13 @@ def tight_engine(real_pair):
     every paced round may pay), and the probe that learns the models' size may use the machine's
     memory (whatever modules before left in this process)."""
     before = resident_bytes()
-    probe = Engine(*real_pair, prompt_reader="off", pacing=Pacing(), memory_limit=machine_memory())
+    probe = Engine(*real_pair, Settings(prompt_reader="off", pacing=Pacing(), memory_limit=machine_memory()))
     models = probe.budget.base - before
     probe.close()
     del probe
-    engine = Engine(*real_pair, memory_limit=resident_bytes() + models + GIB, prompt_reader="off", pacing=Pacing())
+    engine = Engine(
+        *real_pair, Settings(memory_limit=resident_bytes() + models + GIB, prompt_reader="off", pacing=Pacing())
+    )
     yield engine
     engine.close()
 

@@ -32,6 +32,7 @@ from engine.core.pacing import Pacing
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer, tokenizer_tokens
 from engine.manifest import read as read_manifest
@@ -505,7 +506,9 @@ def test_an_engine_on_a_pair_prepared_from_the_files_answers_best_as_autoregress
     greedy ``best`` is the target's own answer token for token."""
     target = gguf_target
     engine = Engine(
-        target, int4_draft, config=EXACT_CONFIG, kernels=kernels, library=library, prompt_reader="f32", pacing=Pacing()
+        target,
+        int4_draft,
+        Settings(config=EXACT_CONFIG, kernels=kernels, library=library, prompt_reader="f32", pacing=Pacing()),
     )
     messages = ({"role": "user", "content": " ".join(f"def f{i}(x): return x + {i}" for i in range(6))},)
     answers = {

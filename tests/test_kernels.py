@@ -25,6 +25,7 @@ from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.errors import EngineError
 from engine.ggml import GGML_XML
 from engine.prepare import ggml_ir, kernels
@@ -415,11 +416,7 @@ def test_greedy_output_is_the_same_in_every_mode_with_the_gemm_reader(gguf_targe
     engine = Engine(
         gguf_target,
         gguf_draft,
-        config=EXACT_CONFIG,
-        kernels="ggml",
-        library=library,
-        prompt_reader="gemm",
-        pacing=Pacing(),
+        Settings(config=EXACT_CONFIG, kernels="ggml", library=library, prompt_reader="gemm", pacing=Pacing()),
     )
     messages = ({"role": "user", "content": " ".join(f"def f{i}(x): return x + {i}" for i in range(12))},)
     answers = {
@@ -578,11 +575,7 @@ def test_an_engine_on_a_cpu_without_14_bit_activations_says_so_once(gguf_target,
         engine = Engine(
             gguf_target,
             gguf_target,
-            config=EXACT_CONFIG,
-            kernels="ggml",
-            library=library,
-            activations=14,
-            prompt_reader="off",
+            Settings(config=EXACT_CONFIG, kernels="ggml", library=library, activations=14, prompt_reader="off"),
         )
     assert caplog.text.count("AVX-512 VNNI") == 1
     assert "14-bit" not in engine.models["target"] + engine.models["draft"]
@@ -591,15 +584,17 @@ def test_an_engine_on_a_cpu_without_14_bit_activations_says_so_once(gguf_target,
 
 def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_target, library, caplog):
     with caplog.at_level(logging.INFO, logger="specchat.engine"):
-        engine = Engine(gguf_target, None, config=EXACT_CONFIG, kernels="auto", library=library, prompt_reader="off")
+        engine = Engine(
+            gguf_target, None, Settings(config=EXACT_CONFIG, kernels="auto", library=library, prompt_reader="off")
+        )
     assert engine.target.kernels in ("openvino", "ggml") and "kernels for" in caplog.text
     assert engine.target.kernels in caplog.text.split("kernels for")[1].split("(")[0]
     assert ("ggml kernels" in engine.models["target"]) == (engine.target.kernels == "ggml")
     engine.close()
     with pytest.raises(EngineError, match="GGUF"):
-        Engine(ir_target, None, config=EXACT_CONFIG, kernels="ggml", library=library)
+        Engine(ir_target, None, Settings(config=EXACT_CONFIG, kernels="ggml", library=library))
     with pytest.raises(EngineError, match="'gemm' reads on ggml's kernels"):
-        Engine(ir_target, None, config=EXACT_CONFIG, prompt_reader="gemm")
+        Engine(ir_target, None, Settings(config=EXACT_CONFIG, prompt_reader="gemm"))
 
 
 def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_target, gguf_draft, library, caplog):
@@ -609,13 +604,13 @@ def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_targ
     settings = dict(config=EXACT_CONFIG, draft_config=EXACT_CONFIG, kernels="auto", library=library)
     request = Request(({"role": "user", "content": PROMPTS[0]},), max_new_tokens=12, mode="best", reuse_cache=False)
     with caplog.at_level(logging.INFO):
-        first = Engine(gguf_target, gguf_draft, remeasure=True, **settings)
+        first = Engine(gguf_target, gguf_draft, Settings(remeasure=True, **settings))
     assert "timing at start" in caplog.text and "prompt reader" in caplog.text
     answer = first.run(request).token_ids
     first.close()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        second = Engine(gguf_target, gguf_draft, **settings)
+        second = Engine(gguf_target, gguf_draft, Settings(**settings))
     assert "measurements: read back" in caplog.text and "timing at start" not in caplog.text
     assert "a plain step:" not in caplog.text and "prompt reader f32:" not in caplog.text
     assert second.pacing.costs == first.pacing.costs
@@ -625,7 +620,7 @@ def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_targ
     assert second.run(request).token_ids == answer
     second.close()
     with caplog.at_level(logging.INFO):
-        Engine(gguf_target, gguf_draft, remeasure=True, **settings).close()
+        Engine(gguf_target, gguf_draft, Settings(remeasure=True, **settings)).close()
     assert "timing at start" in caplog.text
 
 

@@ -19,11 +19,12 @@ from engine.core.reading import READ_PASS
 from engine.core.requests import Event, Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def long_engine(long_target):
-    return Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32")
+    return Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32"))
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> tuple[int, ...]:
@@ -32,7 +33,7 @@ def _prompt(n: int, vocab: int, seed: int = 0) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("reader", ["off", "f32"])
 def test_a_long_prompt_is_read_in_chunks_never_in_one_pass(long_target, reader):
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader=reader)
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=1, prompt_reader=reader))
     widths: list[int] = []
     forward = engine.target.forward
 
@@ -90,15 +91,17 @@ def small_budget_engine(long_target, monkeypatch):
 
     base = 2**30
     monkeypatch.setattr(service, "resident_bytes", lambda: base)
-    probe = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32")
+    probe = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=1, prompt_reader="f32"))
     per_token = int(probe.target.kv_bytes_per_token * RESIDENT_PER_CACHED_BYTE)
     return Engine(
         long_target,
         None,
-        config=EXACT_CONFIG,
-        max_sessions=2,
-        memory_limit=base + HEADROOM + ROOM_TOKENS * per_token,
-        prompt_reader="off",  # (with a reader, room is kept aside for its copy: test_budget_keeps_room_for_a_read)
+        Settings(
+            config=EXACT_CONFIG,
+            max_sessions=2,
+            memory_limit=base + HEADROOM + ROOM_TOKENS * per_token,
+            prompt_reader="off",
+        ),  # (with a reader, room is kept aside for its copy: test_budget_keeps_room_for_a_read)
     )
 
 

@@ -15,6 +15,7 @@ from engine.core.reading import ReadPass, ReadPath, read_plan, resume_at, steps_
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from tests.tiny import TOKENS
 
 R, S = ReadPath.READER, ReadPath.STEPS
@@ -96,7 +97,9 @@ def test_the_reader_writes_the_targets_cache_as_its_own_passes_would(ir_target):
 # -- the promises, through the engine ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def read_engine(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    return Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    )
 
 
 def ask(engine: Engine, messages: list[dict], mode: str = "best", reuse: bool = True, **extra) -> list[int]:
@@ -172,12 +175,12 @@ def test_greedy_output_is_the_same_in_every_mode_with_the_reader(read_engine, mo
 
 
 def test_a_long_prompt_is_read_in_the_plans_passes(long_target):
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32")
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32"))
     text = " ".join(f"line {i}: the quick brown fox" for i in range(120))
     messages = [user(text)]
     final = engine.run(Request(tuple(messages), mode="autoregressive", max_new_tokens=8, reuse_cache=False))
     assert final.kind == "done" and final.metrics["prompt_tokens"] > 600
-    own = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, prompt_reader="off")
+    own = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=1, prompt_reader="off"))
     plain = own.run(Request(tuple(messages), mode="autoregressive", max_new_tokens=8, reuse_cache=False))
     assert final.token_ids == plain.token_ids  # (a tiny f32 model: rounding far from any tie)
     session = engine.sessions.sessions[-1].target

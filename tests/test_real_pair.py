@@ -16,6 +16,7 @@ from engine.core.memory import resident_bytes
 from engine.core.requests import Request
 from engine.core.runtime import TARGET_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.prepare import ggml_ir
 from engine.prepare.pipeline import PreparedModel, default_cache_dir
 from tests.ui.served import ask, last_answer, serve
@@ -161,7 +162,7 @@ def ggml_engine(real_pair, library):
     """The real pair with every linear layer on ggml's kernels."""
     # (its own budget: the default one counts the other engine this module holds as its models)
     limit = resident_bytes() + 6 * GIB
-    with Engine(*real_pair, kernels="ggml", library=library, memory_limit=limit) as engine:
+    with Engine(*real_pair, Settings(kernels="ggml", library=library, memory_limit=limit)) as engine:
         yield engine
 
 

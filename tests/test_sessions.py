@@ -19,6 +19,7 @@ from engine.core.requests import Request, Stream
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.service import Engine
 from engine.core.sessions import CONTINUES, Opening, Session
+from engine.core.settings import Settings
 from engine.core.worker import CLOSED
 from engine.errors import EngineError
 
@@ -27,7 +28,9 @@ ANSWER = 16
 
 @pytest.fixture(scope="module")
 def two_sessions(ir_target, ir_draft) -> Engine:
-    return Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=2, pacing=Pacing(), prompt_reader="off")
+    return Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=2, pacing=Pacing(), prompt_reader="off")
+    )
 
 
 def turn(engine: Engine, prompt: list[int], reuse: bool = True) -> tuple[list[int], dict]:
@@ -75,7 +78,9 @@ def test_a_conversation_opened_again_continues_in_its_own_session_not_the_longer
     """Two users with the same opening (an example prompt, a benchmark's conversation): the
     second one's follow-up shares more with the first one's long conversation than with its own
     session, but only its own session holds what it goes on from."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=3, pacing=Pacing(), prompt_reader="off")
+    engine = Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=3, pacing=Pacing(), prompt_reader="off")
+    )
     first = conversation(engine, "Hash maps?")
     answer, _ = turn(engine, first)
     second = first + answer + conversation(engine, "Resize it.")
@@ -178,7 +183,9 @@ def test_a_cache_loaded_with_copied_entries_computes_the_same_logits_as_one_that
 def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(ir_target, ir_draft):
     """A benchmark loads one engine after another in one process: the one closed must not hold its
     models (each engine's budget counts what the process holds)."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    engine = Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    )
     prompt = conversation(engine, "Sort a list.")
     taken = engine.generate(Request(prompt_ids=tuple(prompt), mode="best", max_new_tokens=ANSWER))
     engine.close()
@@ -205,7 +212,9 @@ def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(
 
 def test_closing_cancels_what_the_engine_still_holds_after_its_timeout_and_says_so(ir_target, ir_draft, caplog):
     """One request running at a big model's pace, one waiting behind it (one session)."""
-    engine = Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    engine = Engine(
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="off")
+    )
     forward = engine.target.forward
     engine.target.forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]  # (a big model's pace)
     prompt = conversation(engine, "Sort a list.")

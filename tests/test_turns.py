@@ -22,6 +22,7 @@ from engine.core.reading import READ_PASS
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.core.turns import (
     NO_LIMITS,
     PUBLIC_LIMITS,
@@ -86,11 +87,9 @@ def shared_engine(ir_target, ir_draft):
     return Engine(
         ir_target,
         ir_draft,
-        config=EXACT_CONFIG,
-        max_sessions=1,
-        pacing=Pacing(),
-        client_limits=ClientLimits(1, 2),
-        prompt_reader="f32",
+        Settings(
+            config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), client_limits=ClientLimits(1, 2), prompt_reader="f32"
+        ),
     )
 
 
@@ -187,7 +186,9 @@ def test_a_clients_second_request_at_once_takes_only_a_spare_place(ir_target, ir
     """With per-client limits, places are kept for clients with nothing running: a client's second
     request starts only while more than two of four are free, never beside three other clients."""
     engine = Engine(
-        ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, client_limits=ClientLimits(2, 4), prompt_reader="f32"
+        ir_target,
+        ir_draft,
+        Settings(config=EXACT_CONFIG, max_sessions=4, client_limits=ClientLimits(2, 4), prompt_reader="f32"),
     )
     with held(engine):
         streams = [engine.generate(ask(client, n)) for n, client in enumerate(["a", "a", "b", "c"])]
@@ -223,11 +224,7 @@ def test_a_stranger_gets_the_shared_link_s_caps_and_a_known_user_the_server_s(ir
     engine = Engine(
         ir_target,
         ir_draft,
-        config=EXACT_CONFIG,
-        max_sessions=1,
-        pacing=Pacing(),
-        client_limits=limits,
-        prompt_reader="f32",
+        Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), client_limits=limits, prompt_reader="f32"),
     )
     long = Request(({"role": "user", "content": "def add(a, b): return a + b " * 4},), max_new_tokens=12)
     refused = engine.run(replace(long, client="page:abc"))
@@ -256,7 +253,7 @@ def test_a_long_paste_is_read_in_slices_between_another_users_tokens(long_target
     share of the time): the answer ends long before the reading does, and both equal their solo
     runs."""
     monkeypatch.setattr(scheduler_module, "SLICE_S", 1e-4)  # the narrowest slices, and no credit saved
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader=reader)
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=2, prompt_reader=reader))
     rng = np.random.default_rng(3)
     chat = Request(
         prompt_ids=tuple(rng.integers(10, 300, 40).tolist()), mode="autoregressive", max_new_tokens=48, client="chat"
@@ -293,7 +290,7 @@ def test_a_question_arriving_while_others_generate_starts_before_the_next_slice_
     """A question that arrives during another user's step gets its first token at the worker's next
     iteration, not after one more slice of a paste read on the side (whose share is kept)."""
     monkeypatch.setattr(TimeShare, "allows", lambda self: True)  # a slice after every step, unless something arrived
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=3, prompt_reader="f32")
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=3, prompt_reader="f32"))
     rng = np.random.default_rng(5)
     chat, paste, late = (
         replace(
@@ -330,7 +327,7 @@ def test_a_paste_being_read_holds_no_place_that_another_users_question_waits_for
     """With one place to serve in, a 3,000-token paste being read (side work, in its share of the
     time) does not keep another client's short question in line: the question is answered while
     the paste is still read, and both answers equal their solo runs."""
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32")
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32"))
     engine.scheduler.max_batch = 1
     rng = np.random.default_rng(4)
     paste = Request(

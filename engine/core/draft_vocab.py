@@ -2,7 +2,7 @@
 the target's tokenizer gave them over code and chat text (``python -m benchmarks.draft_vocab``
 counts them and writes :data:`RANKING`), applied only to the vocabulary they were counted over.
 
-A draft whose head computes the first N ids of the ranking (``Engine(draft_vocab=...)``,
+A draft whose head computes the first N ids of the ranking (``Settings(draft_vocab=...)``,
 ``Runtime(kept_ids=...)``) reads fewer weight rows per step; the ids it leaves out get q = 0, and
 the target's verification keeps every answer the target's own (docs/design.md, "A speculative
 round").

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from engine import ggml
 from engine.core import chat, window
 from engine.core.budget import MemoryBudget, gib
-from engine.core.draft_vocab import Ids, ids_key
+from engine.core.draft_vocab import ids_key
 from engine.core.drafters import Drafter, Price
 from engine.core.measured import Measured, model_identity
 from engine.core.memory import resident_bytes, return_freed_buffers
@@ -44,11 +44,12 @@ from engine.core.reader import (
     fastest_reader,
     named_reader,
 )
-from engine.core.requests import STEP_TIMEOUT, Event, Request, Stream
+from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
-from engine.core.turns import NO_LIMITS, ClientBusy, ClientLedger, ClientLimits
+from engine.core.settings import DEFAULTS, KERNELS, Settings
+from engine.core.turns import ClientBusy, ClientLedger
 from engine.core.window import Overflow
 from engine.core.worker import CLOSE_TIMEOUT, CLOSED
 from engine.errors import EngineError
@@ -56,10 +57,6 @@ from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
-# The token ids the draft head computes (engine.core.draft_vocab; None: all). Off by default: a head
-# cut to the first ids cost more acceptance than its cheaper pass gained (docs/benchmarks.md, "Tried
-# and dropped"); one cut to the most frequent ids is yet to be measured.
-DRAFT_VOCAB: Ids | None = None
 # Tokens per draft pass (see Runtime): one shape for every draft step.
 DRAFT_PASS_WIDTH = 2
 # The longest prompt accepted, as a share of the context: room is left for the answer.
@@ -69,157 +66,123 @@ INPUT_SHARE = 0.75
 MAX_CHARS_PER_TOKEN = 16
 # Tokens of answer the input cap leaves room for in the memory budget.
 MIN_ANSWER_ROOM = 256
-# What computes the models' linear layers: the OpenVINO plugin's kernels, ggml's on the GGUF's
-# own blocks (engine.ggml), or the faster of the two on this machine, per model.
-KERNELS = ("auto", "openvino", "ggml")
 # The entry of Engine.models that says which way the op's passes multiply, per pass shape.
 OP_KERNELS = "op kernels"
 log = logging.getLogger("specchat.engine")
 
 
 class Engine:
-    def __init__(
-        self,
-        target_dir: Path,
-        draft_dir: Path | None = None,
-        device: str = "CPU",
-        config: dict | None = None,
-        draft_config: dict | None = None,
-        draft_vocab: Ids | None = DRAFT_VOCAB,
-        max_input_tokens: int | None = None,
-        context_overflow: str = Overflow.WINDOW,
-        step_timeout: float = STEP_TIMEOUT,
-        max_sessions: int | None = None,
-        memory_limit: int | None = None,
-        pacing: Pacing | None = None,
-        client_limits: ClientLimits = NO_LIMITS,
-        shared_pool: bool = False,
-        prompt_reader: str = "auto",
-        batch_speculation: bool = True,
-        kernels: str = "openvino",
-        library: Path | None = None,
-        activations: int | None = None,
-        remeasure: bool = False,
-    ):
-        """``config`` / ``draft_config``: OpenVINO properties of the target / draft (defaults:
-        :data:`TARGET_CONFIG` and :data:`DRAFT_CONFIG`). ``draft_vocab``: the token ids the draft head
-        computes logits for, most frequent first (:func:`engine.core.draft_vocab.frequent_ids`; the
-        others get q = 0); None: all. ``max_input_tokens``: the longest
-        prompt accepted (default: :data:`INPUT_SHARE` of the context). ``context_overflow``: what
-        becomes of a longer conversation where its request does not say
-        (:class:`~engine.core.window.Overflow`). ``step_timeout``: seconds
-        without progress after which a stream fails and the engine reports itself unhealthy.
-        ``max_sessions``: conversations whose KV caches are kept (default:
-        :data:`~engine.core.sessions.MAX_SESSIONS`, their bytes bounded by the budget).
-        ``memory_limit``: bytes the process may hold (default: a share of the machine's memory,
-        :mod:`engine.core.budget`); the input cap follows from it too. ``pacing``: the paced mode's
-        policy (default: priced by the passes timed here at start). ``client_limits``: what one
-        client may hold (default: no limit; :mod:`engine.core.turns`). ``shared_pool``: one n-gram
-        pool for every client, instead of one each (:mod:`engine.core.pool`). ``prompt_reader``: how
-        prompts are read (:data:`~engine.core.reader.READERS`: ``auto`` times the reader at start
-        and uses it where it reads faster, in the fastest precision, and where the budget holds its
-        weights beside the full input cap; ``off``: the target's own passes). ``batch_speculation``:
-        requests served together verify their copies in the batched pass (else plain batched
-        steps). ``kernels``: what computes the linear layers (:data:`KERNELS`: the plugin's, or
-        ggml's on the GGUF's own blocks through the op in ``library``, where a model's IR has a
-        graph with it; ``auto`` times both per model and keeps the faster). ``activations``: on
-        ggml's kernels, the bits the op's own Q4_K and Q6_K kernels multiply by (8 or 14:
-        :class:`~engine.core.runtime.Runtime`). ``remeasure``: time what start times (kernels,
-        reader, pass costs, the op's candidates) even where figures are kept for this machine
-        (:mod:`engine.core.measured`). The two models must share one vocabulary (``engine.prepare``
-        checks it)."""
-
-        self.context_overflow = Overflow(context_overflow)
+    def __init__(self, target_dir: Path, draft_dir: Path | None = None, settings: Settings = DEFAULTS):
+        """The models in ``target_dir`` and ``draft_dir`` (prepared; they must share one
+        vocabulary, as ``engine.prepare`` checks), served as ``settings`` say. What start times
+        (kernels, reader, pass costs) is read where kept for this machine, else timed and kept."""
         return_freed_buffers()
-        if library is not None:  # (checked once here, so that a CPU without 14 bits warns once)
-            activations = supported_activations(activations, library)
-            ggml.load_choices(library, remeasure)
-        self.library = library
+        self.library = settings.library
+        if self.library is not None:  # (checked once here, so that a CPU without 14 bits warns once)
+            settings = replace(settings, activations=supported_activations(settings.activations, self.library))
+            ggml.load_choices(self.library, settings.remeasure)
+        self.settings = settings
+        self.context_overflow = Overflow(settings.context_overflow)
         self.tokenizer = auto_tokenizer(target_dir)
-        before = resident_bytes()
-        target_config = TARGET_CONFIG if config is None else config
-        draft_config = DRAFT_CONFIG if draft_config is None else draft_config
-        depends_on = {
-            "target": model_identity(Path(target_dir)),
-            "draft": model_identity(Path(draft_dir)) if draft_dir else None,
-            "settings": [device, target_config, draft_config, ids_key(draft_vocab), memory_limit, max_input_tokens],
-            "kernels": [kernels, str(library), activations, prompt_reader, BEST_K, COPY_WIDTHS],
-        }
-        self.measured = Measured.open(Path(target_dir), depends_on, remeasure)
-        self.target = on_kernels(
-            lambda lib: Runtime(
-                Path(target_dir), device, target_config, first_token_alone=True, kernels=lib, activations=activations
-            ),
-            Path(target_dir),
-            kernels,
-            library,
-            self.measured,
+        self.measured = Measured.open(
+            Path(target_dir), _depends_on(target_dir, draft_dir, settings), settings.remeasure
         )
-        self.target.warm_up()
-        target_bytes = resident_bytes() - before  # (what a prompt reader, a copy of it, would hold too)
-        self.draft = (
-            on_kernels(
-                lambda lib: Runtime(
-                    Path(draft_dir),
-                    device,
-                    draft_config,
-                    kept_ids=draft_vocab,
-                    masked_rollback=True,
-                    pass_width=DRAFT_PASS_WIDTH,
-                    kernels=lib,
-                    activations=activations,
-                ),
-                Path(draft_dir),
-                kernels,
-                library,
-                self.measured,
-            )
-            if draft_dir
-            else None
-        )
+        target_bytes = self._load_models(Path(target_dir), Path(draft_dir) if draft_dir else None)
         self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
-        if self.draft is not None:
-            self.draft.warm_up()
         self.max_context = self.target.max_context
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
-        wanted = max_input_tokens or int(self.max_context * INPUT_SHARE)
-        # A stateless reader copies the cache it reads into; on the plugin's kernels it holds a copy of
-        # the target's weights too (on ggml's it shares them). The target's own passes with ggml's
-        # gemm need neither.
-        stateless = self._affords_reader(memory_limit, per_token, 0, wanted, "a stateless")
-        plugin = stateless and self._affords_reader(memory_limit, per_token, target_bytes, wanted, "the plugin's")
-        if prompt_reader == "auto" and not stateless and self.target.model is None:
-            prompt_reader = "off"
-        self.reader = self._reader(prompt_reader, plugin, stateless)
-        # What a speculative round costs here against a plain step: the paced mode's break-even, and
-        # the price of its lookup copies.
-        if pacing is None and self.draft is not None:
-            pacing = Pacing(self._pass_costs())
-            log.info("pass costs: %s", pacing.costs.describe())  # type: ignore[union-attr]
-        self.pacing = pacing or Pacing()
+        wanted = settings.max_input_tokens or int(self.max_context * INPUT_SHARE)
+        self.reader = self._affordable_reader(per_token, target_bytes, wanted)
+        self.pacing = self._pacing()
         self._keep_kernel_choices()
         self.stop_ids = frozenset(_stop_ids(Path(target_dir), self.tokenizer))
         self.fence_ids = frozenset(i for token, i in self.tokenizer.get_vocab().items() if "```" in token)
-        self.budget = self._budget(memory_limit, per_token)
+        self.budget = self._budget(settings.memory_limit, per_token)
         log.info(self.budget.describe())
         # The longest prompt accepted: a share of the context, and what the budget holds beside an answer.
         self.max_input_tokens = min(wanted, self.budget.tokens - MIN_ANSWER_ROOM)
         if self.budget.tokens <= 2 * MIN_ANSWER_ROOM:
             raise EngineError(f"the {self.budget.describe()} is too small to serve a conversation: raise the limit")
-        self.sessions = SessionPool(
+        self.sessions = self._sessions()
+        self.step_timeout = settings.step_timeout
+        self._clients = ClientLedger(settings.client_limits)
+        self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
+        self.scheduler = self._scheduler()
+
+    def _load_models(self, target_dir: Path, draft_dir: Path | None) -> int:
+        """Load and warm up both models on their kernels; the bytes the target's weights hold (what
+        a prompt reader, a copy of them, would hold too)."""
+        s = self.settings
+        before = resident_bytes()
+        target_config = TARGET_CONFIG if s.config is None else s.config
+        self.target = on_kernels(
+            lambda lib: Runtime(
+                target_dir, s.device, target_config, first_token_alone=True, kernels=lib, activations=s.activations
+            ),
+            target_dir,
+            s.kernels,
+            s.library,
+            self.measured,
+        )
+        self.target.warm_up()
+        target_bytes = resident_bytes() - before
+        self.draft = None
+        if draft_dir is not None:
+            draft_config = DRAFT_CONFIG if s.draft_config is None else s.draft_config
+            self.draft = on_kernels(
+                lambda lib: Runtime(
+                    draft_dir,
+                    s.device,
+                    draft_config,
+                    kept_ids=s.draft_vocab,
+                    masked_rollback=True,
+                    pass_width=DRAFT_PASS_WIDTH,
+                    kernels=lib,
+                    activations=s.activations,
+                ),
+                draft_dir,
+                s.kernels,
+                s.library,
+                self.measured,
+            )
+            self.draft.warm_up()
+        return target_bytes
+
+    def _affordable_reader(self, per_token: int, target_bytes: int, wanted: int) -> PromptReader | None:
+        """The settings' prompt reader, where the budget holds it beside ``wanted`` tokens of input.
+        A stateless reader copies the cache it reads into; on the plugin's kernels it holds a copy
+        of the target's weights too (on ggml's it shares them). The target's own passes with
+        ggml's gemm need neither."""
+        limit, choice = self.settings.memory_limit, self.settings.prompt_reader
+        stateless = self._affords_reader(limit, per_token, 0, wanted, "a stateless")
+        plugin = stateless and self._affords_reader(limit, per_token, target_bytes, wanted, "the plugin's")
+        if choice == "auto" and not stateless and self.target.model is None:
+            choice = "off"
+        return self._reader(choice, plugin, stateless)
+
+    def _pacing(self) -> Pacing:
+        """The settings' pacing, else one priced by what a speculative round costs here against a
+        plain step: the paced mode's break-even, and the price of its lookup copies."""
+        if self.settings.pacing is not None or self.draft is None:
+            return self.settings.pacing or Pacing()
+        pacing = Pacing(self._pass_costs())
+        log.info("pass costs: %s", pacing.costs.describe())  # type: ignore[union-attr]
+        return pacing
+
+    def _sessions(self) -> SessionPool:
+        return SessionPool(
             self.target,
             self.draft,
             # (not a method of this engine: the pool would then hold the engine, and a closed
             # engine's models would wait for the garbage collector's next cycle)
             functools.partial(_drafters, self.modes, self.target.vocab_size, self.pacing.worth_copying),
-            max_sessions or MAX_SESSIONS,
+            self.settings.max_sessions or MAX_SESSIONS,
             chat.opening_ids(self.tokenizer),
             self.reader,
         )
-        self.step_timeout = step_timeout
-        self._clients = ClientLedger(client_limits)
-        self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
-        self.scheduler = Scheduler(
+
+    def _scheduler(self) -> Scheduler:
+        return Scheduler(
             self.target,
             self.sessions,
             self.budget,
@@ -228,9 +191,9 @@ class Engine:
             self.pacing,
             self.stop_ids,
             self.fence_ids,
-            Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, shared_pool),
+            Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, self.settings.shared_pool),
             self.reader,
-            BatchPrices(self.pacing.costs) if batch_speculation else None,
+            BatchPrices(self.pacing.costs) if self.settings.batch_speculation else None,
         )
 
     def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:
@@ -468,6 +431,23 @@ def _stop_ids(ir_dir: Path, tokenizer: Any) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
+
+
+def _depends_on(target_dir: Path, draft_dir: Path | None, s: Settings) -> dict[str, Any]:
+    """What the figures measured at start depend on, besides the CPU and the kernels' build."""
+    return {
+        "target": model_identity(Path(target_dir)),
+        "draft": model_identity(Path(draft_dir)) if draft_dir else None,
+        "settings": [
+            s.device,
+            TARGET_CONFIG if s.config is None else s.config,
+            DRAFT_CONFIG if s.draft_config is None else s.draft_config,
+            ids_key(s.draft_vocab),
+            s.memory_limit,
+            s.max_input_tokens,
+        ],
+        "kernels": [s.kernels, str(s.library), s.activations, s.prompt_reader, BEST_K, COPY_WIDTHS],
+    }
 
 
 def on_kernels(

@@ -14,6 +14,7 @@ from engine.cli import free_port
 from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.core.turns import PUBLIC_LIMITS
 from tests.test_decoding import idle, slowed
 from tests.ui.served import serve
@@ -54,11 +55,9 @@ def test_the_flood_gets_refusals_and_its_share_and_takes_nothing_from_the_others
     engine = Engine(
         ir_target,
         ir_draft,
-        config=EXACT_CONFIG,
-        max_sessions=8,
-        pacing=Pacing(),
-        client_limits=PUBLIC_LIMITS,
-        prompt_reader="f32",
+        Settings(
+            config=EXACT_CONFIG, max_sessions=8, pacing=Pacing(), client_limits=PUBLIC_LIMITS, prompt_reader="f32"
+        ),
     )
     forward = Runtime.forward  # every pass 10 ms slower (each session's runtimes too): the streams overlap
     monkeypatch.setattr(Runtime, "forward", lambda self, *a, **kw: (time.sleep(0.01), forward(self, *a, **kw))[1])

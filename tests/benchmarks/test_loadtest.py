@@ -11,13 +11,14 @@ from benchmarks import chaos, loadtest
 from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from tests.ui.served import serve
 
 
 @pytest.fixture(scope="module")
 def url(ir_target, ir_draft):
     demo, url = serve(
-        Engine(ir_target, ir_draft, config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
+        Engine(ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32"))
     )
     yield url
     demo.close()

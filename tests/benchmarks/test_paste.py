@@ -5,6 +5,7 @@ from __future__ import annotations
 from benchmarks.paste import BESIDE_COLUMNS, COLUMNS, beside, paste
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.report import markdown_table
 
 
@@ -16,7 +17,7 @@ def test_a_paste_reports_its_length_timings_and_memory(engine):
 
 
 def test_another_user_keeps_getting_tokens_while_a_paste_is_read(long_target):
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32")
+    engine = Engine(long_target, None, Settings(config=EXACT_CONFIG, max_sessions=2, prompt_reader="f32"))
     row = beside(engine, 600, "autoregressive", 2, answer_tokens=6)  # (about 3,000 tokens)
     assert row["other_tokens_reading"] > 0 and row["other_p95_alone_ms"] > 0 and row["other_p95_reading_ms"] > 0
     assert row["other_p95_reading_ms"] < 1000 * row["ttft_s"]  # served between the paste's passes, not after them

@@ -32,6 +32,7 @@ from engine.core import chat
 from engine.core.pacing import Pacing
 from engine.core.runtime import EXACT_CONFIG
 from engine.core.service import Engine
+from engine.core.settings import Settings
 from engine.core.turns import PUBLIC_LIMITS
 from tests.test_decoding import slowed
 from tests.ui.served import SlowEngine, serve
@@ -272,7 +273,7 @@ def test_a_conversation_past_a_strangers_cap_goes_on_its_oldest_turns_out_of_vie
     cap = 96
     limits = replace(PUBLIC_LIMITS, stranger_input_tokens=cap)
     engine = Engine(
-        ir_target, ir_draft, config=EXACT_CONFIG, pacing=Pacing(), client_limits=limits, prompt_reader="off"
+        ir_target, ir_draft, Settings(config=EXACT_CONFIG, pacing=Pacing(), client_limits=limits, prompt_reader="off")
     )
     page = open_app(engine)
     set_cap(page, 12)

@@ -302,9 +302,12 @@ def test_the_chat_shows_how_far_a_long_message_is_read(long_target):
     from engine.core.pacing import Pacing
     from engine.core.runtime import EXACT_CONFIG
     from engine.core.service import Engine
+    from engine.core.settings import Settings
     from ui.chat import stream_answer
 
-    engine = Engine(long_target, None, config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    engine = Engine(
+        long_target, None, Settings(config=EXACT_CONFIG, max_sessions=1, pacing=Pacing(), prompt_reader="f32")
+    )
     message = "def add(a, b):\n    return a + b\n" * 200
     settings = streaming.Settings.from_form(
         mode="autoregressive", k=4, temperature=0.0, top_p=1.0, max_new_tokens=2, seed=0
