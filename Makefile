@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-slow test-fast lint mutants chaos loadtest scaleout screenshots footer-speedup prepare bench \
+.PHONY: setup run test test-slow test-fast lint mutants chaos loadtest scaleout screenshots footer-speedup long-chat prepare bench \
 	bench-peers ceiling llama-cpp paper quality chromium clean
 
 setup: $(VENV)/.installed
@@ -65,6 +65,11 @@ screenshots: setup chromium prepare
 # The speedup a chat answer's footer shows beside the one Compare measures, through the app's API.
 footer-speedup: setup prepare
 	$(PY) -m benchmarks.footer_speedup $(ARGS)
+
+# Twelve turns past a shared link's input cap (--public-limits) through the API, ar and best:
+# every turn answers, each answer after a cut is its window's own (engine.core.window).
+long-chat: setup prepare
+	$(PY) -m benchmarks.long_chat $(ARGS)
 
 # One-line mutations of the engine, each run against the fast suite: fails if any survives.
 mutants: setup
