@@ -44,6 +44,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -577,7 +578,9 @@ def write(
     reader = open_gguf(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, shape = _build(reader, gguf_path, library, four_bit, log)
-    config = {**shape.hf_config(), "_name_or_path": gguf_path.name}
+    # (transformers_version as save_pretrained writes it: without one, transformers takes the
+    # tokenizer beside it for an old Mistral export and warns of a wrong regex)
+    config = {**shape.hf_config(), "_name_or_path": gguf_path.name, "transformers_version": version("transformers")}
     special = {
         name: int(value)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id")
