@@ -53,8 +53,6 @@ OP_FINE = "GgmlLinear op: the same, 14-bit activations (--activations 14)"
 OP_GEMM = "GgmlLinear op: batched kernels on interleaved rows (prompt reader)"
 OP_STORED = "GgmlLinear op: vec_dot on rows as stored"
 OP_STORED_BATCHED = "GgmlLinear op: batched kernels on rows as stored (ggml's mul_mat)"
-TILED_ROWS = 256  # from this many rows the op puts interleaved rows back as stored (ggml_linear.cpp)
-TILE_ROWS = 32  # from this many rows a batched pass goes through the AMX tiles where the CPU has them (the same)
 PLUGIN = "plugin compressed FC (gguf form)"
 GGML = "ggml mul_mat"
 GGML_REPACKED = "ggml mul_mat, repacked (llama.cpp's default)"
@@ -210,15 +208,15 @@ def probe(args: argparse.Namespace) -> None:
             difference = np.abs(out[OP] - out[GGML_REPACKED]).max() / np.abs(out[GGML_REPACKED]).max()
             checks[f"{m} rows: op against ggml repacked (its gemm), relative to the largest output"] = float(difference)
         checks[f"{m} rows: op on rows as stored == ggml, bit for bit"] = bool(np.array_equal(out[OP_STORED], out[GGML]))
-        if tiles and m >= TILE_ROWS:  # (bf16 inputs: within their rounding, not ggml's bits)
+        if tiles and m >= ggml.AMX_ROWS:  # (bf16 inputs: within their rounding, not ggml's bits)
             for name in (OP_GEMM, OP_STORED_BATCHED):
                 checks[
                     f"{m} rows: {name} on the AMX tiles against ggml, largest difference relative to the largest output"
                 ] = float(np.abs(out[name] - out[GGML]).max() / np.abs(out[GGML]).max())
         else:
-            # (below TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's
+            # (below ggml.TILED_ROWS the op's batched kernel on interleaved rows is its own, one row's
             # bits; from there ggml's tiled mul_mat)
-            gemm_peer = OP if m < TILED_ROWS else GGML
+            gemm_peer = OP if m < ggml.TILED_ROWS else GGML
             checks[f"{m} rows: op's batched kernels on interleaved rows == {gemm_peer}, bit for bit"] = bool(
                 np.array_equal(out[OP_GEMM], out[gemm_peer])
             )

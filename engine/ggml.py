@@ -21,10 +21,22 @@ from openvino.utils.node_factory import NodeFactory
 from engine import machine
 
 GGML_LINEAR = "GgmlLinear"
+# FIRST_WEIGHT, INTERLEAVE, GEMM_ROWS, AMX_ROWS, TILED_ROWS, GEMM and FINE are the op's too, defined
+# here alone: its build reads them from here (engine.prepare.kernels.SHARED, ggml_op/shared.h).
 # The op's first weight input (after x and its gemm flag); one input per weight from there.
 FIRST_WEIGHT = 2
 # Rows ggml's interleaved kernels group together: a weight stored so is cut only at a group's end.
 INTERLEAVE = 8
+# Activation rows ggml's gemm takes at a time (its interleaved activation blocks hold four rows).
+GEMM_ROWS = 4
+# From this many rows a prompt pass (GEMM) multiplies through the CPU's AMX tiles in bf16, where it
+# has them (:func:`prompt_tiles`).
+AMX_ROWS = 32
+# From this many rows a prompt pass puts interleaved Q4_K rows back as stored and multiplies them
+# by ggml's tiled kernels; below, by the op's own multi-row kernel, which a large layer took less
+# time through than through ggml's gemm or tiled kernels up to this width (docs/benchmarks.md,
+# "The op's fixed constants").
+TILED_ROWS = 256
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
 # (Its third form: weights with interleaved kernels keep their rows interleaved, and an int4
 # model's rows are 4-bit blocks. A cache holding an earlier form writes this one and drops that.)
@@ -79,8 +91,8 @@ def _native(library: Path) -> ctypes.CDLL:
 
 
 def prompt_tiles(library: Path) -> bool:
-    """Whether the op multiplies a prompt pass's rows (32 or more) through the CPU's AMX tiles in
-    bf16 here, rather than by ggml's batched kernels (docs/design.md, "The GGUF's own kernels")."""
+    """Whether the op multiplies a prompt pass's rows (:data:`AMX_ROWS` or more) through the CPU's AMX
+    tiles in bf16 here, rather than by ggml's batched kernels (docs/design.md, "The GGUF's own kernels")."""
     return bool(_native(library).specchat_prompt_tiles())
 
 
@@ -167,9 +179,9 @@ def linears(
     interleaved where ggml has that for the type (and ``interleave``), else by its vec_dot on the
     rows as stored. ``gemm``: the flags (i64 [1], 0 if not given; :data:`GEMM_INPUT`). GEMM
     multiplies by batched kernels instead, faster over many rows, but a row then rounds with where
-    it falls in its pass: for a prompt's passes. Those are the AMX tiles in bf16 from 32 rows where the CPU has
-    them (:func:`prompt_tiles`), else ggml's (its gemm on interleaved rows, its own mul_mat on rows
-    as stored, and on interleaved Q4_K rows put back as stored from 256 rows on)."""
+    it falls in its pass: for a prompt's passes. Those are the AMX tiles in bf16 from :data:`AMX_ROWS` rows where
+    the CPU has them (:func:`prompt_tiles`), else ggml's (its gemm on interleaved rows, its own mul_mat on rows
+    as stored, and on interleaved Q4_K rows put back as stored from :data:`TILED_ROWS` rows on)."""
     flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
     inputs, types, interleaved_flags = [x, flag], [], []
     for rows, ggml_type in weights:

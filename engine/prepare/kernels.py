@@ -19,7 +19,7 @@ from pathlib import Path
 
 import openvino as ov
 
-from engine import machine
+from engine import ggml, machine
 from engine.errors import EngineError
 from engine.prepare import disk
 from engine.prepare.phases import phase
@@ -32,6 +32,9 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 HERE = Path(__file__).parent / "ggml_op"
 SOURCES = tuple(sorted(p for p in HERE.iterdir() if p.suffix in {".txt", ".cpp", ".h"}))
 LIBRARY = "libspecchat_ggml_ops.so"
+# The constants the op shares with engine.ggml, which defines them: handed to the build as
+# SPECCHAT_<NAME> (ggml_op/shared.h).
+SHARED = ("FIRST_WEIGHT", "INTERLEAVE", "GEMM_ROWS", "AMX_ROWS", "TILED_ROWS", "GEMM", "FINE")
 
 
 def download_source(work: Path, log: Callable[[str], None]) -> Path:
@@ -56,10 +59,22 @@ def run(command: list[str], quiet: bool = True) -> None:
         raise EngineError(f"`{' '.join(command[:4])} ...` failed (exit {result.returncode}):\n{tail}")
 
 
+def shared_definitions() -> str:
+    """:data:`SHARED` with their values in engine.ggml, as the op's build takes them (a CMake list)."""
+    return ";".join(f"SPECCHAT_{name}={getattr(ggml, name)}" for name in SHARED)
+
+
 def _key() -> str:
-    """What the library depends on: the source, our code, OpenVINO, the compiler and the CPU."""
+    """What the library depends on: the source, our code and constants, OpenVINO, the compiler and the CPU."""
     compiler = subprocess.run(["c++", "-dumpfullversion"], capture_output=True, text=True).stdout.strip()
-    parts = [SOURCE_PACKAGE, ov.__version__, compiler, machine.cpu_flags(), *(p.read_text() for p in SOURCES)]
+    parts = [
+        SOURCE_PACKAGE,
+        ov.__version__,
+        compiler,
+        machine.cpu_flags(),
+        shared_definitions(),
+        *(p.read_text() for p in SOURCES),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
@@ -94,6 +109,7 @@ def _build(out: Path, log: Callable[[str], None]) -> Path:
             f"-DOpenVINO_DIR={Path(ov.__file__).parent / 'cmake'}",
             f"-DCMAKE_C_FLAGS={NO_AMX}",
             f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+            f"-DSPECCHAT_SHARED={shared_definitions()}",
         ]
         run(["cmake", "-S", str(HERE), "-B", str(build), *options])
         log("ggml kernels: compiling ggml's CPU backend and the op (a few minutes on 2 cores)")
