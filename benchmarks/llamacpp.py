@@ -141,7 +141,7 @@ class LlamaCppPeer:
         context: int = CONTEXT,
     ):
         if not binary.exists():
-            raise EngineError(f"{binary} does not exist: build it with `python -m benchmarks.llamacpp` (about 5 min)")
+            raise EngineError(f"{binary} does not exist: build it with `python -m benchmarks.llamacpp` (10–15 min)")
         self.port = free_port()
         threads = threads or os.cpu_count() or 1
         command = [
