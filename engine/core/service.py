@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,11 +84,15 @@ class Engine:
             ggml.load_choices(self.library, settings.remeasure)
         self.settings = settings
         self.context_overflow = Overflow(settings.context_overflow)
-        self.tokenizer = auto_tokenizer(target_dir)
         self.measured = Measured.open(
             Path(target_dir), _depends_on(target_dir, draft_dir, settings), settings.remeasure
         )
-        target_bytes = self._load_models(Path(target_dir), Path(draft_dir) if draft_dir else None)
+        # (the tokenizer's load is mostly importing transformers, bound to Python; the models'
+        # loads run in OpenVINO without the GIL, so the two overlap)
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer = pool.submit(auto_tokenizer, target_dir)
+            target_bytes = self._load_models(Path(target_dir), Path(draft_dir) if draft_dir else None)
+            self.tokenizer = tokenizer.result()
         self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
         self.max_context = self.target.max_context
         per_token = self.target.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
