@@ -41,8 +41,8 @@ from engine.core.modes import BY_SHORT_NAME
 from engine.core.requests import Request
 from engine.core.runtime import Runtime
 from engine.core.service import Engine
+from engine.core.tokenizer import load_tokenizer
 from engine.errors import EngineError
-from engine.hf import auto_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table, speedup
 from engine.startup import add_engine_arguments, engine_from_args
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft = prepare_from_args(args)
         reset_peak_rss()  # (from loading on: a first run's conversion is not the engine's)
-        kept = frequent_ids(auto_tokenizer(target.path), args.draft_vocab) if args.draft_vocab else None
+        kept = frequent_ids(load_tokenizer(target.path), args.draft_vocab) if args.draft_vocab else None
         engine = engine_from_args(args, target, draft, draft_vocab=kept)
         modes = args.modes.split(",")
         unknown = set(modes) - {*BY_SHORT_NAME, *PEER_MODES}

@@ -37,8 +37,8 @@ from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat, graph
 from engine.core.budget import GIB
 from engine.core.runtime import TARGET_CONFIG, Runtime
+from engine.core.tokenizer import load_tokenizer
 from engine.ggml import GGML_XML
-from engine.hf import auto_tokenizer
 from engine.prepare import ggml_ir
 from engine.prepare.pipeline import PreparedModel, add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table
@@ -180,7 +180,7 @@ def profile(args: argparse.Namespace) -> None:
     threads = os.cpu_count() or 1
     target, _ = prepare_from_args(args)
     question = load_prompts(CODING_PROMPTS)[0][1]
-    prompt = chat.prompt_ids(auto_tokenizer(target.path), [{"role": "user", "content": question}])
+    prompt = chat.prompt_ids(load_tokenizer(target.path), [{"role": "user", "content": question}])
     limit = read_bandwidth(threads)
     cache_dir = cache_dir_from_args(args)
     # Each kernels our target can run on, timed without the counters (they cost time of their own;

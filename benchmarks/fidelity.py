@@ -56,8 +56,8 @@ from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, IN_14_BITS, ON_GGML, Runtime
 from engine.core.service import Engine
 from engine.core.settings import Settings
+from engine.core.tokenizer import load_tokenizer
 from engine.errors import EngineError
-from engine.hf import auto_tokenizer
 from engine.prepare import ggml_ir
 from engine.prepare.convert import PRECISIONS
 from engine.prepare.pipeline import (
@@ -361,7 +361,7 @@ def _against_the_file(
     row's IR, the ggml op's library it runs on or None for the plugin's kernels, and the activations'
     bits there); with ``base``,
     the file model's log-probabilities over the text are written there (:func:`text_scores`)."""
-    tokenizer = auto_tokenizer(reference_ir)
+    tokenizer = load_tokenizer(reference_ir)
     text_ids = list(tokenizer.encode(fixed_text(args.text_kb)))
     ref = the_files_side(args, reference_ir, tokenizer, text_ids, base)
     sequences = {name: ref["sequences"][name] for name in PROMPT_SETS if "agreement" in args.measures}
@@ -448,7 +448,7 @@ def _functional(
         rows.setdefault(name, {"weights": name})["tokens_per_s"] = tokens_per_s
     if args.llamacpp:
         cache = cache_dir_from_args(args)
-        tokenizer = auto_tokenizer(prepare_from_args(args)[0].path)
+        tokenizer = load_tokenizer(prepare_from_args(args)[0].path)
         peer = llamacpp.LlamaCppPeer(llamacpp.server_binary(cache), llamacpp.gguf_file(args.target, cache))
         try:
 

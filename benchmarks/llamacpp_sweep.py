@@ -27,7 +27,7 @@ from benchmarks.bench import load_prompts
 from benchmarks.report import add_output_arguments, write_text
 from engine.cli import CODING_PROMPTS, run_cli
 from engine.core import chat
-from engine.hf import auto_tokenizer
+from engine.core.tokenizer import load_tokenizer
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args, prepare_from_args
 from engine.report import Column, markdown_table
 
@@ -102,7 +102,7 @@ def columns(set_names: list[str]) -> list[Column]:
 
 def run_sweep(args: argparse.Namespace) -> None:
     target, _ = prepare_from_args(args)
-    tokenizer = auto_tokenizer(target.path)
+    tokenizer = load_tokenizer(target.path)
     sets = {
         Path(path).stem: [
             chat.prompt_ids(tokenizer, [{"role": "user", "content": text}])

@@ -21,15 +21,15 @@ from engine.core.runtime import Runtime
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sessions import SessionPool
+from engine.core.tokenizer import load_tokenizer
 from engine.core.turns import NO_LIMITS, ClientLedger
-from engine.hf import auto_tokenizer
 
 GREEDY = SamplingParams()
 
 
 @functools.cache
 def _tokenizer(ir_dir: Path):
-    return auto_tokenizer(ir_dir)
+    return load_tokenizer(ir_dir)
 
 
 class _OnePool:

@@ -14,8 +14,8 @@ from engine.api.openai import build_router
 from engine.core import chat
 from engine.core.chat import Message
 from engine.core.requests import Request
+from engine.core.tokenizer import load_tokenizer
 from engine.core.window import KEPT_SHARE, fit, window_start
-from engine.hf import auto_tokenizer
 
 SYSTEM: Message = {"role": "system", "content": "Answer with code."}
 ANSWER = 12  # tokens of each answer the engine writes here
@@ -57,7 +57,7 @@ def test_a_long_last_turn_keeps_only_what_fits_beside_it():
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
-    return auto_tokenizer(tokenizer_dir)
+    return load_tokenizer(tokenizer_dir)
 
 
 def question(i: int) -> Message:

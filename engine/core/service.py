@@ -50,12 +50,12 @@ from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_
 from engine.core.scheduler import Scheduler
 from engine.core.sessions import MAX_SESSIONS, SessionPool
 from engine.core.settings import DEFAULTS, KERNELS, Settings
+from engine.core.tokenizer import load_tokenizer
 from engine.core.turns import ClientBusy, ClientLedger
 from engine.core.window import Overflow
 from engine.core.worker import CLOSE_TIMEOUT, CLOSED
 from engine.errors import EngineError
 from engine.ggml import GGML_XML
-from engine.hf import auto_tokenizer
 
 T = TypeVar("T")
 # Tokens per draft pass (see Runtime): one shape for every draft step.
@@ -87,10 +87,9 @@ class Engine:
         self.measured = Measured.open(
             Path(target_dir), _depends_on(target_dir, draft_dir, settings), settings.remeasure
         )
-        # (the tokenizer's load is mostly importing transformers, bound to Python; the models'
-        # loads run in OpenVINO without the GIL, so the two overlap)
+        # (the models' loads run in OpenVINO without the GIL, so the tokenizer's overlaps them)
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tokenizer = pool.submit(auto_tokenizer, target_dir)
+            tokenizer = pool.submit(load_tokenizer, target_dir)
             target_bytes = self._load_models(Path(target_dir), Path(draft_dir) if draft_dir else None)
             self.tokenizer = tokenizer.result()
         self.modes = tuple(m.name for m in MODES.values() if self.draft is not None or not m.needs_draft_model)
