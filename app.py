@@ -16,25 +16,21 @@ import logging
 import sys
 from functools import partial
 
-from engine.api.openai import build_router
 from engine.cli import run_cli
 from engine.cluster import deploy as cluster
 from engine.core.modes import MODES
 from engine.loading import Loading
 from engine.prepare.pipeline import add_model_arguments, cache_dir_from_args
 from engine.startup import add_engine_arguments, start_engine
-from ui.launch import (
+from ui.options import (
     add_serving_arguments,
     browser_secret,
     client_limits,
-    launch,
     launch_warnings,
     model_sources,
     parse_auth,
     public,
-    web_app,
 )
-from ui.page import build_app
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,8 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     for warning in launch_warnings(args.host, args.share, auth, bool(args.api_key)):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if args.ray is not None:  # (the ingress builds the page: ui.launch.web_app, importable on every node)
+        from ui.launch import web_app
+
         return run_cli(lambda: cluster.serve_forever(args, partial(web_app, args)))
     engine = Loading(lambda: start_engine(args), tuple(MODES))  # the server listens meanwhile
+    # Imported once the models load in their thread (OpenVINO's work, without the GIL): Gradio's
+    # import is seconds of a restart on a small CPU (docs/operations.md, "Resources").
+    from engine.api.openai import build_router
+    from ui.launch import launch
+    from ui.page import build_app
+
     api = build_router(engine, args.target, model_sources(args), args.api_key, args.trust_proxy)
     try:
         secret = browser_secret(cache_dir_from_args(args))

@@ -27,9 +27,8 @@ from tokenizers import Tokenizer
 from engine.hf import auto_tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# transformers' clean_up_tokenization, for the tokenizers that ask for it
-_CLEAN_UP = (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m")
-_CLEAN_UP += (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")
+# transformers' clean_up_tokenization, in its order, for the tokenizers that ask for it
+_CLEAN_UP = [(f" {s}", s.strip()) for s in (".", "?", "!", ",", "' ", "n't", "'m", "'s", "'ve", "'re")]
 
 
 class ChatTokenizer:

@@ -20,7 +20,8 @@ from engine.errors import PrepareError
 from engine.loading import Loading
 from tests.ui.served import GREEDY, ask, last_answer, serve
 from ui import page
-from ui.launch import launch, launch_warnings, parse_auth
+from ui.launch import launch
+from ui.options import launch_warnings, parse_auth
 from ui.page import build_app
 from ui.render import status_html
 
