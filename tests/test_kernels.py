@@ -599,14 +599,16 @@ def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_
 
 def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_target, gguf_draft, library, caplog):
     """Kernels per model, the prompt reader and the pass costs are timed once per machine, build,
-    models and settings; a restart reads them (the log, the page's header and /health say when
-    they were measured) and answers as the first start did."""
+    models and settings (and the opening's cache entries computed once); a restart reads them
+    (the log, the page's header and /health say when they were measured) and answers as the
+    first start did."""
     settings = dict(config=EXACT_CONFIG, draft_config=EXACT_CONFIG, kernels="auto", library=library)
     request = Request(({"role": "user", "content": PROMPTS[0]},), max_new_tokens=12, mode="best", reuse_cache=False)
     with caplog.at_level(logging.INFO):
         first = Engine(gguf_target, gguf_draft, Settings(remeasure=True, **settings))
     assert "timing at start" in caplog.text and "prompt reader" in caplog.text
     answer = first.run(request).token_ids
+    opening = first.sessions.opening
     first.close()
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -617,6 +619,8 @@ def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_targ
     assert (second.target.kernels, second.draft.kernels) == (first.target.kernels, first.draft.kernels)
     assert getattr(second.reader, "name", None) == getattr(first.reader, "name", None)
     assert second.models["measured"] == first.models["measured"] + ", kept from an earlier start"
+    for read, kept in zip(opening.entries, second.sessions.opening.entries):  # (kept, not read again)
+        assert all(np.array_equal(kept[name], entries) for name, entries in read.items())
     assert second.run(request).token_ids == answer
     second.close()
     with caplog.at_level(logging.INFO):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine.core import chat
+from engine.core.measured import Measured
 from engine.core.pacing import Pacing
 from engine.core.requests import Request, Stream
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
@@ -178,6 +179,28 @@ def test_a_cache_loaded_with_copied_entries_computes_the_same_logits_as_one_that
     target.reset()
     opening.seed(Session(target, None, {}), prompt)
     assert np.array_equal(target.sync(prompt, rows=8), expected)
+
+
+def test_the_opening_read_at_one_start_is_kept_and_a_restart_loads_it_without_computing(
+    ir_target, tmp_path, monkeypatch
+):
+    target = Runtime(ir_target, config=EXACT_CONFIG, first_token_alone=True)
+    tokens = list(range(5, 25))
+    read = Opening.kept(Measured.open(tmp_path, {}), tokens, (target, None), None)
+
+    def computes(*_args):
+        raise AssertionError("a restart computed the opening again")
+
+    monkeypatch.setattr(Opening, "read", computes)
+    kept = Opening.kept(Measured.open(tmp_path, {}), tokens, (target, None), None)
+    assert kept.tokens == read.tokens and kept.origins == read.origins and kept.entries[1] is None
+    assert kept.entries[0].keys() == read.entries[0].keys()
+    assert all(np.array_equal(kept.entries[0][name], e) for name, e in read.entries[0].items())
+    monkeypatch.undo()
+    other = Opening.kept(Measured.open(tmp_path, {}), tokens[:10], (target, None), None)  # another template
+    assert other.tokens == tuple(tokens[:10])
+    remeasured = Opening.kept(Measured.open(tmp_path, {}, remeasure=True), tokens, (target, None), None)
+    assert all(np.array_equal(remeasured.entries[0][name], e) for name, e in read.entries[0].items())
 
 
 def test_a_closed_engine_answers_what_it_took_refuses_more_and_frees_its_models(ir_target, ir_draft):

@@ -1,5 +1,6 @@
 """What an engine measures at start, kept for the next start on the same machine: which kernels
-each model runs faster on, which prompt reader reads faster, and what the passes cost. None of it
+each model runs faster on, which prompt reader reads faster, and what the passes cost (and what
+it computes there, the chat template opening's cache entries). None of it
 changes until the CPU, the kernels' build, the models or the settings do, and timing it all took
 a start most of its time (docs/operations.md, "Start"). As FFTW keeps its "wisdom", the figures
 are kept beside the prepared target, in a file named by everything they depend on; another CPU,
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openvino as ov
 
 from engine import machine
@@ -69,6 +71,29 @@ class Measured:
         partial = self.path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"at": self.at, "figures": self.figures}, indent=1, default=_plain))
         partial.replace(self.path)
+
+    def arrays(self, name: str) -> dict[str, np.ndarray] | None:
+        """Arrays kept under ``name`` (:meth:`put_arrays`) by the start these figures come from, or None."""
+        if not self.reused:
+            return None
+        try:
+            with np.load(self._arrays_path(name)) as kept:
+                return dict(kept)
+        except (OSError, ValueError):
+            return None
+
+    def put_arrays(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
+        """Keep arrays beside the figures, in a file of their own (what start computed, not timed:
+        the opening's cache entries, engine.core.sessions)."""
+        path = self._arrays_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        with partial.open("wb") as file:
+            np.savez(file, allow_pickle=False, **arrays)
+        partial.replace(path)
+
+    def _arrays_path(self, name: str) -> Path:
+        return self.path.with_suffix(f".{name}.npz")
 
     def describe(self) -> str:
         """When, for people (the page's header and /health)."""

@@ -48,7 +48,7 @@ from engine.core.reader import (
 from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import Scheduler
-from engine.core.sessions import MAX_SESSIONS, SessionPool
+from engine.core.sessions import MAX_SESSIONS, Opening, SessionPool
 from engine.core.settings import DEFAULTS, KERNELS, Settings
 from engine.core.tokenizer import load_tokenizer
 from engine.core.turns import ClientBusy, ClientLedger
@@ -181,9 +181,13 @@ class Engine:
             # engine's models would wait for the garbage collector's next cycle)
             functools.partial(_drafters, self.modes, self.target.vocab_size, self.pacing.worth_copying),
             self.settings.max_sessions or MAX_SESSIONS,
-            chat.opening_ids(self.tokenizer),
-            self.reader,
+            self._opening(),
         )
+
+    def _opening(self) -> Opening | None:
+        """What every conversation starts with, read once (or as a start before read it)."""
+        tokens = chat.opening_ids(self.tokenizer)
+        return Opening.kept(self.measured, tokens, (self.target, self.draft), self.reader) if tokens else None
 
     def _scheduler(self) -> Scheduler:
         return Scheduler(

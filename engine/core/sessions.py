@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.drafters import Drafter
+from engine.core.measured import Measured
 from engine.core.reader import PromptReader, read_pass
-from engine.core.reading import ReadPass, read_plan
+from engine.core.reading import ReadPass, ReadPath, read_plan
 from engine.core.runtime import Runtime, common_prefix
 
 # A prompt continues a session when it repeats at least this share of what the session caches
@@ -30,6 +31,7 @@ MIN_SHARED = 32
 # Conversations kept at most (each an InferRequest on the shared models); the bytes their caches
 # take are the memory budget's to bound (engine.core.budget).
 MAX_SESSIONS = 32
+OPENING = "opening"  # the name its entries are kept under, with the start's measurements
 
 
 @dataclass
@@ -92,6 +94,36 @@ class Opening:
             runtime.release()
         return cls(tuple(tokens), tuple(entries), tuple(origins))
 
+    @classmethod
+    def kept(
+        cls, measured: Measured, tokens: Sequence[int], runtimes: Sequence[Runtime | None], reader: PromptReader | None
+    ) -> Opening:
+        """The opening of ``tokens`` as an earlier start on this machine read it, kept with its
+        measurements (the same CPU, kernels, models and settings compute the same entries, bit for
+        bit), else read here (:meth:`read`) and kept."""
+        about, arrays = measured.get(OPENING), measured.arrays(OPENING)
+        if about is not None and arrays is not None and about["tokens"] == list(tokens):
+            return cls._from_kept(about, arrays)
+        opening = cls.read(tokens, runtimes, reader)
+        measured.put_arrays(OPENING, {f"{role}/{k}": v for role, e in opening._roles() for k, v in e.items()})
+        origins = [None if o is None else [o.start, o.stop, o.path.value] for o in opening.origins]
+        measured.put(
+            OPENING, {"tokens": list(tokens), "roles": [e is not None for e in opening.entries], "origins": origins}
+        )
+        return opening
+
+    @classmethod
+    def _from_kept(cls, about: dict, arrays: dict[str, np.ndarray]) -> Opening:
+        entries = tuple(
+            {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"{role}/")} if present else None
+            for role, present in enumerate(about["roles"])
+        )
+        origins = tuple(None if o is None else ReadPass(o[0], o[1], ReadPath(o[2])) for o in about["origins"])
+        return cls(tuple(about["tokens"]), entries, origins)
+
+    def _roles(self) -> list[tuple[int, dict[str, np.ndarray]]]:
+        return [(role, e) for role, e in enumerate(self.entries) if e is not None]
+
     def seed(self, session: Session, prompt: Sequence[int]) -> None:
         """Load into ``session``'s caches as much of the opening as ``prompt`` starts with, where
         a cache holds less of the prompt (its last token is left for the first round to read)."""
@@ -103,9 +135,8 @@ class Opening:
 
 class SessionPool:
     """At most ``capacity`` sessions, most recently used last. ``build(target, draft)`` makes the
-    drafters of a session's runtimes; ``opening``: the tokens most conversations start with, read
-    here once (by ``reader``, the prompt reader, if one is used) and copied into each new one
-    (:class:`Opening`)."""
+    drafters of a session's runtimes; ``opening``: what most conversations start with, copied into
+    each new one (:class:`Opening`)."""
 
     def __init__(
         self,
@@ -113,15 +144,14 @@ class SessionPool:
         draft: Runtime | None,
         build: Callable[[Runtime | None], dict[str, Drafter]],
         capacity: int,
-        opening: Sequence[int] = (),
-        reader: PromptReader | None = None,
+        opening: Opening | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"at least one session is needed, got {capacity}")
         self.capacity = capacity
         self._build = build
         self.sessions = [Session(target, draft, build(draft))]
-        self.opening = Opening.read(opening, (target, draft), reader) if opening else None
+        self.opening = opening
 
     def take(self, prompt: list[int], busy: Collection[Session] = ()) -> Session:
         """The session for ``prompt``, moved to most recently used, its caches holding the opening
