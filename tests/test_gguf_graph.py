@@ -33,6 +33,7 @@ from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.core.settings import Settings
+from engine.core.tokenizer import load_tokenizer
 from engine.ggml import GGML_XML
 from engine.hf import auto_tokenizer, tokenizer_tokens
 from engine.manifest import read as read_manifest
@@ -389,8 +390,14 @@ def test_a_model_from_the_file_is_prepared_without_transformers_model_classes_or
     assert texts[0] == texts[1] and tokenizer_tokens(tokenizers[0]) == tokenizer_tokens(tokenizers[1])
     # (transformers reads a llama file's byte-level BPE as CodeLlama's tokenizer, which cannot encode
     # without an unknown token, from either path: the tiny llama's tokenizer is not the point here)
+    served = load_tokenizer(prepared.new)  # (read without transformers, as the app serves it)
+    assert served.apply_chat_template(messages, add_generation_prompt=True) == texts[0]
+    assert served.get_vocab() == tokenizers[0].get_vocab()
     if prepared.architecture != "llama":
         assert tokenizers[0].encode(texts[0]) == tokenizers[1].encode(texts[1])
+        assert served.encode(texts[0], add_special_tokens=False) == tokenizers[0].encode(
+            texts[0], add_special_tokens=False
+        )
 
 
 @pytest.fixture(scope="module")
