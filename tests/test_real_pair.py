@@ -160,8 +160,9 @@ def library(real_pair) -> Path:
 @pytest.fixture(scope="module")
 def ggml_engine(real_pair, library):
     """The real pair with every linear layer on ggml's kernels."""
-    # (its own budget: the default one counts the other engine this module holds as its models)
-    limit = resident_bytes() + 6 * GIB
+    # (its own budget: the default one counts the other engine this module holds as its models;
+    # in whole GiB, so that the next run finds what this one measured at start kept)
+    limit = (resident_bytes() // GIB + 7) * GIB
     with Engine(*real_pair, Settings(kernels="ggml", library=library, memory_limit=limit)) as engine:
         yield engine
 
