@@ -32,6 +32,8 @@ from engine.core.pool import NgramPool
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
+from engine.core.service import Engine
+from engine.core.settings import Settings
 from tests.serving import serve
 
 PROMPTS = [
@@ -598,6 +600,32 @@ def test_pass_costs_are_measured_on_the_engines_runtimes_and_leave_their_caches_
     assert [context for context, _ in costs.rejection] == [target.max_context // 2] < list(REJECTION_CONTEXTS)
     assert [context for context, _ in costs.long_verify] == [target.max_context // 2]
     assert not target.tokens and not drafter.runtime.tokens
+
+
+def test_a_draft_round_is_timed_at_each_width_and_leaves_the_cache_empty(pair):
+    _, drafter = pair
+    assert min(PassCosts.draft_round(drafter.runtime, width, k=4, repeats=2) for width in (1, 2)) > 0
+    assert not drafter.runtime.tokens
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_the_draft_passes_at_the_width_whose_rounds_cost_less_and_a_restart_keeps_it(
+    ir_target, ir_draft, monkeypatch, faster
+):
+    """Timed per machine (injected here): at width 1 the draft drafts without guessing its next
+    token, and every answer is still the target's."""
+    monkeypatch.setattr(PassCosts, "draft_round", lambda draft, width, k: 1.0 if width == faster else 2.0)
+    settings = Settings(config=EXACT_CONFIG, draft_config=EXACT_CONFIG, prompt_reader="off")
+    request = Request(prompt_ids=tuple(range(5, 30)), max_new_tokens=16, reuse_cache=False)
+    with Engine(ir_target, ir_draft, replace(settings, remeasure=True)) as engine:
+        assert engine.draft.pass_width == faster
+        drafter = engine.sessions.sessions[0].drafters["speculative"]
+        assert (drafter.guesser is not None) == (faster == 2)
+        plain = engine.run(replace(request, mode="autoregressive")).token_ids
+        assert engine.run(replace(request, mode="speculative", k=4)).token_ids == plain
+    monkeypatch.setattr(PassCosts, "draft_round", lambda *_: pytest.fail("a restart timed the draft's rounds again"))
+    with Engine(ir_target, ir_draft, settings) as engine:
+        assert engine.draft.pass_width == faster
 
 
 def test_a_rejection_costs_more_the_longer_the_context():

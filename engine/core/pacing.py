@@ -144,6 +144,24 @@ class PassCosts:
             long_verify=tuple((c, ratio) for c, (_, ratio) in long),
         )
 
+    @staticmethod
+    def draft_round(draft: Runtime, width: int, k: int, repeats: int = 7) -> float:
+        """Seconds of the draft's passes in a round of ``k`` drafts fed ``width`` tokens at least
+        (:attr:`Runtime.pass_width`; the median of ``repeats``): at width 1 a round's first pass
+        catches up 2 tokens and the next go 1 by 1, changing the pass's shape twice a round; at
+        width 2 every pass has one shape and re-feeds a token. Which costs less is the CPU's."""
+        draft.reset()
+        draft.forward([0] * 16)
+        rounds = []
+        for _ in range(repeats + 1):  # (the first sets the shapes up: not counted)
+            start = time.perf_counter()
+            for fed in [2] + [width] * (k - 1):
+                draft.forward([0] * fed)
+            rounds.append(time.perf_counter() - start)
+            draft.trim(16)
+        draft.reset()
+        return statistics.median(rounds[1:])
+
     @classmethod
     def from_figures(cls, figures: dict) -> PassCosts:
         """The costs kept as JSON (:mod:`engine.core.measured`): its lists back to tuples."""

@@ -58,7 +58,8 @@ from engine.errors import EngineError
 from engine.ggml import GGML_XML
 
 T = TypeVar("T")
-# Tokens per draft pass (see Runtime): one shape for every draft step.
+# Tokens per draft pass (see Runtime): one shape for every draft step, where the CPU runs a 2-token
+# pass at the cost of a 1-token one; timed at start against 1 (Engine._draft_pass_width).
 DRAFT_PASS_WIDTH = 2
 # The longest prompt accepted, as a share of the context: room is left for the answer.
 INPUT_SHARE = 0.75
@@ -150,7 +151,22 @@ class Engine:
                 self.measured,
             )
             self.draft.warm_up()
+            self.draft.pass_width = self._draft_pass_width()
         return target_bytes
+
+    def _draft_pass_width(self) -> int:
+        """The draft's pass width that makes its rounds cheaper here: kept from an earlier start,
+        else timed (and kept). A 2-token pass cost 1.3 single ones on ggml's AVX2 kernels, about
+        one on AVX-512 (docs/benchmarks.md, "An AVX2 machine")."""
+        assert self.draft is not None
+        name = "draft pass width"
+        kept = self.measured.get(name)
+        if kept is None:
+            seconds = {w: PassCosts.draft_round(self.draft, w, BEST_K) for w in (1, DRAFT_PASS_WIDTH)}
+            kept = min(seconds, key=seconds.__getitem__)
+            log.info("%s: %d (a round of %d drafts: %s)", name, kept, BEST_K, _milliseconds(seconds))
+            self.measured.put(name, kept)
+        return int(kept)
 
     def _affordable_reader(self, per_token: int, target_bytes: int, wanted: int) -> PromptReader | None:
         """The settings' prompt reader, where the budget holds it beside ``wanted`` tokens of input.
@@ -454,7 +470,7 @@ def _depends_on(target_dir: Path, draft_dir: Path | None, s: Settings) -> dict[s
             s.memory_limit,
             s.max_input_tokens,
         ],
-        "kernels": [s.kernels, str(s.library), s.activations, s.prompt_reader, BEST_K, COPY_WIDTHS],
+        "kernels": [s.kernels, str(s.library), s.activations, s.prompt_reader, BEST_K, COPY_WIDTHS, DRAFT_PASS_WIDTH],
     }
 
 
@@ -489,13 +505,18 @@ def on_kernels(
         times[runtime.kernels] = plain_step_seconds(runtime)
     assert runtime is not None
     faster = min(times, key=times.__getitem__)
-    log.info("%s: %s (a plain step: %s)", name, faster, ", ".join(f"{k} {1e3 * t:.1f} ms" for k, t in times.items()))
+    log.info("%s: %s (a plain step: %s)", name, faster, _milliseconds(times))
     measured.put(name, faster)
     if runtime.kernels != faster:
         runtime = None
         return_freed_buffers()
         runtime = build(None)
     return runtime
+
+
+def _milliseconds(seconds: dict[Any, float]) -> str:
+    """Timings for the log: ``candidate 12.3 ms, ...``."""
+    return ", ".join(f"{k} {1e3 * t:.1f} ms" for k, t in seconds.items())
 
 
 def plain_step_seconds(runtime: Runtime, context: int = 64, steps: int = 8) -> float:
