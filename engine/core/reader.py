@@ -112,6 +112,12 @@ class GemmReader(PromptReader):
         self.label = f"the target's own passes, {kernels}"
         self.name = GEMM_READER
 
+    def warm_up(self, runtime: Runtime) -> None:
+        """Nothing to lay out: its first pass costs what later ones do (a 256-token pass on the
+        default target, AVX2 EPYC: 5.2 s first, 5.1 s after), and what a pass grows the process
+        by is a pass's activations (engine.core.budget.HEADROOM). A start skips the pass it would
+        cost (docs/operations.md, "Start")."""
+
     def read(self, runtime: Runtime, tokens: Sequence[int], origin: ReadPass | None = None) -> None:
         past = len(runtime.tokens)
         runtime.forward(tokens[past:], gemm=True)
