@@ -55,8 +55,8 @@ ACTIVATIONS = (8, 14)
 CANDIDATES = (
     "own kernels, static split",
     "ggml's kernels, static split",
-    "own kernels, counter split",
-    "ggml's kernels, counter split",
+    "own kernels, stealing split",
+    "ggml's kernels, stealing split",
 )
 log = logging.getLogger("specchat.kernels")
 

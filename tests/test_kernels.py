@@ -111,8 +111,8 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width_and_thread_count(librar
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0, Q.Q6_K, Q.Q8_0])
 def test_every_candidate_gives_each_row_the_bits_of_the_one_row_result_at_any_width(library, kind):
     """Whichever way a decode or verify pass multiplies (the op's own kernels or ggml's row by row,
-    the columns split statically or by a counter), each row is what the 1-row pass gives it, bit
-    for bit: the tuning changes speed only."""
+    the columns split statically or in chunks that a thread done with its own steals), each row is
+    what the 1-row pass gives it, bit for bit: the tuning changes speed only."""
     rows = random_rows(kind, N, K, seed=9)
     x = np.random.default_rng(10).standard_normal((17, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, 17)[:, None]
     models = {threads: compiled(library, rows, kind, threads=threads) for threads in (1, 2)}

@@ -42,29 +42,52 @@ std::vector<Range> ranges(const std::vector<Product>& products, int parts) {
     return out;
 }
 
-// Chunks per thread a Counter split cuts a node's columns into (ggml's own threads take four).
-constexpr int CHUNKS_PER_THREAD = 4;
+// Chunks each thread's range is cut into for a Stealing split: a thread that has done its own
+// takes the others' last chunks.
+constexpr int CHUNKS_PER_THREAD = 8;
+
+// A thread's chunks claimed so far (by it from the front, by the others from the back): apart,
+// so that claiming one's own chunk touches no line another thread writes until it steals.
+struct alignas(64) Claims {
+    std::atomic<int> taken{0};   // chunks claimed, from either end
+    std::atomic<int> stolen{0};  // of them, from the back
+};
 
 }  // namespace
 
 void multiply(const std::vector<Product>& products, int64_t m, int64_t k, tuning::Split split) {
     // The weights' columns, one after another, split into as many bytes for each thread (a layer's
     // q and k in Q4_K groups of 8 rows and its v in Q6_K rows split by rows instead left one
-    // thread twice the other's work): one contiguous range each, or chunks from a shared counter.
+    // thread twice the other's work): one contiguous range each, or that range in chunks, the
+    // others' last chunks taken by a thread that is done with its own (one woken late, or
+    // slowed, finishes the node with less).
     const int threads = parallel_get_max_threads();
-    const bool counter = split == tuning::Split::Counter && threads > 1;
-    const auto parts = ranges(products, counter ? threads * CHUNKS_PER_THREAD : threads);
-    std::atomic<size_t> next{0};
+    const bool stealing = split == tuning::Split::Stealing && threads > 1;
+    const int chunks = stealing ? CHUNKS_PER_THREAD : 1;
+    const auto parts = ranges(products, threads * chunks);
+    std::vector<size_t> first(threads * chunks + 1, parts.size());  // each part's first range
+    for (size_t i = parts.size(); i-- > 0;)
+        first[parts[i].part] = i;
+    for (int part = threads * chunks; part-- > 0;)
+        first[part] = std::min(first[part], first[part + 1]);
+    const auto run = [&](int part) {
+        for (size_t i = first[part]; i < first[part + 1]; ++i)
+            multiply_columns(products[parts[i].product], m, k, parts[i].first, parts[i].last);
+    };
+    std::vector<Claims> claims(stealing ? threads : 0);
     ov::parallel_nt_static(0, [&](int thread, int nthreads) {
-        const auto run = [&](const Range& r) { multiply_columns(products[r.product], m, k, r.first, r.last); };
-        if (counter) {
-            for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts.size();)
-                run(parts[i]);
+        if (!stealing) {
+            for (int part = thread; part < threads; part += nthreads)
+                run(part);
             return;
         }
-        for (const Range& r : parts)
-            if (r.part % nthreads == thread)
-                run(r);
+        for (int own = 0; thread < threads && claims[thread].taken.fetch_add(1) < chunks; ++own)
+            run(thread * chunks + own);
+        for (int step = 1; step < threads; ++step) {
+            const int other = (thread + step) % threads;
+            while (claims[other].taken.fetch_add(1) < chunks)
+                run(other * chunks + chunks - 1 - claims[other].stolen.fetch_add(1));
+        }
     });
 }
 

@@ -19,9 +19,9 @@ namespace specchat::tuning {
 // unpacked once for every row) or ggml's one-row kernels, called row by row.
 enum class Kernel { Own = 0, Ggml = 1 };
 // How the threads share a node's columns: one contiguous range of weight bytes each (a long
-// stream for the hardware prefetchers), or chunks taken from a shared counter as ggml's own
-// threads take theirs (a thread that falls behind takes fewer).
-enum class Split { Static = 0, Counter = 1 };
+// stream for the hardware prefetchers), or that range in chunks, a thread done with its own
+// taking the others' last ones (one woken late by the pool, or slowed, takes fewer).
+enum class Split { Static = 0, Stealing = 1 };
 
 constexpr int CANDIDATES = 4;
 constexpr int SAMPLES = 5;  // timed calls per candidate before a choice
