@@ -10,21 +10,26 @@ namespace specchat {
 
 namespace {
 
-// The units (whole interleaved groups) of each product, one after another, in `parts` ranges of
-// about as many weight bytes: (part, product, first column, last column) each, in order.
+// The units (whole interleaved groups) of each product, one after another, in `count` parts of
+// about as many weight bytes: each part's (product, first column, last column) ranges, in order,
+// part i's from ranges[first[i]] up to ranges[first[i + 1]].
 struct Range {
-    int part;
     size_t product;
     int64_t first, last;
 };
-std::vector<Range> ranges(const std::vector<Product>& products, int parts) {
+struct Parts {
+    std::vector<Range> ranges;
+    std::vector<size_t> first;
+};
+Parts split_bytes(const std::vector<Product>& products, int count) {
     int64_t bytes = 0;
     for (const auto& p : products)
         bytes += p.n * static_cast<int64_t>(p.w_row);
-    std::vector<Range> out;
-    for (int part = 0; part < parts; ++part) {
+    Parts out;
+    for (int part = 0; part < count; ++part) {
+        out.first.push_back(out.ranges.size());
         int64_t start = 0, stop = 0;
-        ov::splitter(bytes, parts, part, start, stop);
+        ov::splitter(bytes, count, part, start, stop);
         int64_t offset = 0;  // the first byte of p
         for (size_t i = 0; i < products.size(); ++i) {
             const Product& p = products[i];
@@ -35,10 +40,11 @@ std::vector<Range> ranges(const std::vector<Product>& products, int parts) {
             };
             const int64_t lo = first_at(start), hi = first_at(stop);
             if (lo < hi)
-                out.push_back({part, i, lo * p.unit(), hi * p.unit()});
+                out.ranges.push_back({i, lo * p.unit(), hi * p.unit()});
             offset += units * unit_bytes;
         }
     }
+    out.first.push_back(out.ranges.size());
     return out;
 }
 
@@ -64,15 +70,12 @@ void multiply(const std::vector<Product>& products, int64_t m, int64_t k, tuning
     const int threads = parallel_get_max_threads();
     const bool stealing = split == tuning::Split::Stealing && threads > 1;
     const int chunks = stealing ? CHUNKS_PER_THREAD : 1;
-    const auto parts = ranges(products, threads * chunks);
-    std::vector<size_t> first(threads * chunks + 1, parts.size());  // each part's first range
-    for (size_t i = parts.size(); i-- > 0;)
-        first[parts[i].part] = i;
-    for (int part = threads * chunks; part-- > 0;)
-        first[part] = std::min(first[part], first[part + 1]);
+    const Parts parts = split_bytes(products, threads * chunks);
     const auto run = [&](int part) {
-        for (size_t i = first[part]; i < first[part + 1]; ++i)
-            multiply_columns(products[parts[i].product], m, k, parts[i].first, parts[i].last);
+        for (size_t i = parts.first[part]; i < parts.first[part + 1]; ++i) {
+            const Range& r = parts.ranges[i];
+            multiply_columns(products[r.product], m, k, r.first, r.last);
+        }
     };
     std::vector<Claims> claims(stealing ? threads : 0);
     ov::parallel_nt_static(0, [&](int thread, int nthreads) {
