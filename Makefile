@@ -24,10 +24,13 @@ run: setup
 chromium:
 	@command -v /usr/bin/chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
-# What guards behaviour, in minutes: lint, types, architecture contracts, the tiny-model suites,
-# the browser test on the tiny pair and a short check of the real default pair (answers capped).
+# What guards behaviour, in minutes: lint, types, architecture contracts, the tiny-model suites
+# (two at a time, a test file per worker), the browser and cluster tests on the tiny pair, then a
+# short check of the real default pair (answers capped) alone: its engines time the machine at
+# start and keep the figures the app reads back.
 test: setup lint chromium prepare
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not real" --durations=10
+	$(PY) -m pytest -q -m "real and not slow" --durations=5
 
 # The slower guards, opt-in (marked `slow`): fresh installs (a Space's and `pip install .`) and
 # the longest prompt on the real pair.

@@ -23,6 +23,7 @@ from tests.ui.served import ask, last_answer, serve
 
 pytestmark = pytest.mark.real
 PROMPTS = Path(__file__).parent.parent / "assets" / "prompts" / "coding.jsonl"
+ANSWER = 48  # tokens per answer compared: ten rounds of K=4 or more
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def chats() -> list[tuple[dict, ...]]:
 
 @pytest.fixture(scope="module")
 def autoregressive(real_engine, chats) -> list[list[int]]:
-    """Plain greedy answers of 64 tokens: what every other mode must give."""
+    """Plain greedy answers: what every other mode must give."""
     return [
-        real_engine.run(Request(chat, mode="autoregressive", max_new_tokens=64, reuse_cache=False)).token_ids
+        real_engine.run(Request(chat, mode="autoregressive", max_new_tokens=ANSWER, reuse_cache=False)).token_ids
         for chat in chats
     ]
 
@@ -50,7 +51,8 @@ def test_greedy_speculative_equals_autoregressive_on_the_real_pair(real_engine, 
     """Token for token: the prompt is prefilled alone in every mode, and a verify pass computes
     each row exactly as a single step does at the target's settings (int4 weights, f32 compute)."""
     answers = [
-        real_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=64, reuse_cache=False)).token_ids for chat in chats
+        real_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=ANSWER, reuse_cache=False)).token_ids
+        for chat in chats
     ]
     assert answers == autoregressive
 
@@ -102,15 +104,13 @@ def test_verify_rows_equal_single_steps_on_the_real_target(real_engine):
         np.testing.assert_allclose(verified, singles, rtol=0, atol=1e-4)
 
 
-def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine, chats):
+def test_an_answer_is_the_same_whatever_the_cache_held_before(real_engine, chats, autoregressive):
     """A cold cache starts with one token, and passes with a past compute every row alike at any
     width: so a turn prefilled after another conversation (sharing only the system prompt), from
-    the template's opening copied in, or in other chunks gives the answer a cold cache gives."""
-    cold = [
-        real_engine.run(Request(chat, mode="best", max_new_tokens=48, reuse_cache=False)).token_ids for chat in chats
-    ]
-    warm = [real_engine.run(Request(chat, mode="best", max_new_tokens=48)) for chat in chats[::-1]]
-    assert [final.token_ids for final in warm[::-1]] == cold
+    the template's opening copied in, or in other chunks gives the answer a cold cache gives (the
+    plain one, which every mode gives)."""
+    warm = [real_engine.run(Request(chat, mode="best", max_new_tokens=ANSWER)) for chat in chats[::-1]]
+    assert [final.token_ids for final in warm[::-1]] == autoregressive
     assert all(final.metrics["cached_tokens"] >= len(real_engine.sessions.opening.tokens) > 0 for final in warm)
 
 
@@ -188,7 +188,7 @@ def test_with_8_bit_activations_too_verify_rows_equal_single_steps_bit_for_bit(g
 def test_on_ggml_kernels_greedy_speculative_equals_autoregressive(ggml_engine, chats):
     def answers(mode: str) -> list[list[int]]:
         return [
-            ggml_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=64, reuse_cache=False)).token_ids
+            ggml_engine.run(Request(chat, mode=mode, k=4, max_new_tokens=ANSWER, reuse_cache=False)).token_ids
             for chat in chats
         ]
 
