@@ -182,25 +182,19 @@ def chi_square_prompt(tok) -> list[int]:
 
 @pytest.fixture(scope="module")
 def draft_samples(pair, tok) -> Callable[[SamplingParams], dict[tuple, int]]:
-    """The draft model's own outcomes by sampling setting, counted once for every drafter kind:
+    """The draft model's own outcomes by sampling setting, drawn from its exact probabilities:
     what the chi-square test must tell apart from the target's (its power)."""
-    model = pair[1]
+    model = pair[1].runtime
     counted: dict[SamplingParams, dict[tuple, int]] = {}
 
     def samples(params: SamplingParams) -> dict[tuple, int]:
         if params not in counted:
-            counts: dict[tuple, int] = {}
-            for seed in range(DRAWS):
-                tokens, _ = run(
-                    model.runtime,
-                    None,
-                    chi_square_prompt(tok),
-                    speculative=False,
-                    max_new_tokens=OUTCOME,
-                    sampling=replace(params, seed=seed),
-                )
-                counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-            counted[params] = counts
+            outcomes = target_outcomes(model, chi_square_prompt(tok), params, OUTCOME, DRAWS)
+            model.reset()
+            keys = [*outcomes, ("the others",)]
+            probs = [*outcomes.values(), max(0.0, 1 - sum(outcomes.values()))]
+            drawn = np.random.default_rng(0).multinomial(DRAWS, np.array(probs) / sum(probs))
+            counted[params] = dict(zip(keys, (int(n) for n in drawn), strict=True))
         return counted[params]
 
     return samples
