@@ -236,6 +236,15 @@ def _choices_file(library: Path) -> Path:
     return library.parent / f"choices-{machine.cpu_key()}.json"
 
 
+def _kept_choices(library: Path) -> dict[str, int]:
+    try:
+        return {
+            key: int(candidate) for key, candidate in json.loads(_choices_file(library).read_text())["choices"].items()
+        }
+    except (OSError, ValueError, KeyError, AttributeError):
+        return {}
+
+
 def load_choices(library: Path, remeasure: bool = False) -> int:
     """Put the choices kept for this CPU back into the op, so that no shape is timed again (with
     ``remeasure``, forget them all instead); returns how many were put back."""
@@ -243,23 +252,21 @@ def load_choices(library: Path, remeasure: bool = False) -> int:
     if remeasure:
         native.specchat_forget()
         return 0
-    try:
-        kept = json.loads(_choices_file(library).read_text())["choices"]
-    except (OSError, ValueError, KeyError):
-        return 0
+    kept = _kept_choices(library)
     for key, candidate in kept.items():
-        native.specchat_set_choice(key.encode(), int(candidate))
+        native.specchat_set_choice(key.encode(), candidate)
     return len(kept)
 
 
 def save_choices(library: Path) -> dict[str, int]:
-    """Keep the choices made so far for later starts (a file written whole, then renamed: two
-    processes never leave half of one); returns them."""
+    """Keep the choices made so far in this process for later starts, beside those kept for other
+    shapes (another model's, or a process that forgot its own): a file written whole, then renamed,
+    so that two processes never leave half of one. Returns this process's choices."""
     made = choices(library)
     if made:
         path = _choices_file(library)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"cpu": machine.cpu_name(), "choices": made}, indent=1))
+        partial.write_text(json.dumps({"cpu": machine.cpu_name(), "choices": _kept_choices(library) | made}, indent=1))
         partial.replace(path)
     return made
 

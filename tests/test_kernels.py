@@ -4,6 +4,7 @@ blocks (the library is built for this machine on first use, a few minutes on 2 c
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import mmap
 import re
@@ -136,7 +137,13 @@ def test_the_choice_keeps_the_candidate_whose_median_time_is_lowest(library):
     assert ggml.choose(library, [[1.0, 50.0, 60.0], [2.0, 2.0, 2.0]]) == 1
 
 
-def test_a_pass_shape_is_timed_on_every_candidate_then_keeps_one_which_a_later_start_reads_back(library):
+def test_a_pass_shape_is_timed_on_every_candidate_then_keeps_one_which_a_later_start_reads_back(
+    library, tmp_path, monkeypatch
+):
+    """Kept beside the choices other processes kept for other shapes (another model's)."""
+    kept = tmp_path / "choices.json"
+    monkeypatch.setattr(ggml, "_choices_file", lambda _library: kept)
+    kept.write_text(json.dumps({"cpu": "a CPU", "choices": {"another model's shape": 1}}))
     rows = random_rows(Q.Q4_K, N, K, seed=11)
     x = np.random.default_rng(12).standard_normal((3, K)).astype(np.float32)
     model = compiled(library, rows, Q.Q4_K, threads=1)
@@ -149,9 +156,10 @@ def test_a_pass_shape_is_timed_on_every_candidate_then_keeps_one_which_a_later_s
     chosen = ggml.choices(library)[key]
     assert chosen in range(len(ggml.CANDIDATES))
     assert ggml.save_choices(library)[key] == chosen
+    assert json.loads(kept.read_text())["choices"]["another model's shape"] == 1
     ggml.load_choices(library, remeasure=True)
     assert key not in ggml.choices(library)
-    assert ggml.load_choices(library) >= 1 and ggml.choices(library)[key] == chosen
+    assert ggml.load_choices(library) == 2 and ggml.choices(library)[key] == chosen
     assert ggml.CANDIDATES[chosen].split(",")[0] in ggml.describe_choices(ggml.choices(library))
 
 
