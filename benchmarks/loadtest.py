@@ -166,6 +166,7 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
     served = [a for a in answers if not a.error]
     others = {text for (u, _), text in solo.items()}
     expected = [solo.get((a.user, a.turn)) if a.comparable else None for a in served]
+    differing = {(a.user, a.turn): e for a, e in zip(served, expected, strict=True) if e is not None and a.text != e}
     replicas = spread(answers, seconds)
     return {
         "users": users,
@@ -196,10 +197,17 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
                 "ttft_s": a.ttft_s,
                 "error": a.error,
                 **{k: a.metrics.get(k) for k in ANSWER_FIGURES},
+                **(_difference(a.text, differing[a.user, a.turn]) if (a.user, a.turn) in differing else {}),
             }
             for a in answers
         ],
     }
+
+
+def _difference(text: str, solo: str) -> dict:
+    """Where an answer leaves its solo run's text, and both texts (to trace why)."""
+    at = next((i for i, (a, b) in enumerate(zip(text, solo)) if a != b), min(len(text), len(solo)))
+    return {"differs_from_solo_at": at, "text": text, "solo_text": solo}
 
 
 def run_phase(url: str, conversations: list[list[str]], args: argparse.Namespace, together: bool) -> tuple[list, float]:

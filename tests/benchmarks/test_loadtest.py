@@ -53,3 +53,12 @@ def test_a_heartbeat_output_says_nothing():
     assert (
         chaos.last_text(["", [{"role": "user", "metadata": None, "content": [{"text": "hi", "type": "text"}]}]]) == "hi"
     )
+
+
+def test_an_answer_not_its_solo_runs_is_counted_and_kept_with_where_it_leaves_it():
+    answers = [loadtest.Answer(0, 0, text="def f(): return 1"), loadtest.Answer(1, 0, text="same")]
+    row = loadtest.summarize(2, answers, 1.0, {(0, 0): "def f(): return 2", (1, 0): "same"})
+    assert row["differ"] == 1 and row["mixed"] == 0
+    differing, alike = row["per_answer"]
+    assert differing["differs_from_solo_at"] == 16 and differing["solo_text"] == "def f(): return 2"
+    assert "text" not in alike
