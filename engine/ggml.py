@@ -237,6 +237,7 @@ def _choices_file(library: Path) -> Path:
 
 
 def _kept_choices(library: Path) -> dict[str, int]:
+    """The choices kept for this CPU (none where no file, or no whole one, is kept)."""
     try:
         return {
             key: int(candidate) for key, candidate in json.loads(_choices_file(library).read_text())["choices"].items()
