@@ -186,7 +186,7 @@ def summarize(users: int, answers: list[Answer], seconds: float, solo: dict[tupl
         "per_replica": replicas,
         "lost": sum(not a.text for a in served),
         "mixed": sum(e is not None and a.text != e and a.text in others for a, e in zip(served, expected)),
-        "differ": sum(e is not None and a.text != e for a, e in zip(served, expected)),
+        "differ": len(differing),
         "failures": [f"user {a.user} turn {a.turn}: {a.error}" for a in answers if a.error],
         "per_answer": [
             {
