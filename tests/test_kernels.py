@@ -19,13 +19,14 @@ import pytest
 from openvino import opset13 as ops
 
 from engine import ggml
-from engine.core import graph, hugepages
+from engine.core import graph, hugepages, screen
+from engine.core.measured import Measured
 from engine.core.pacing import Pacing
 from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
 from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
 from engine.core.requests import Request
 from engine.core.runtime import EXACT_CONFIG, Runtime
-from engine.core.service import Engine
+from engine.core.service import Engine, on_kernels
 from engine.core.settings import Settings
 from engine.errors import EngineError
 from engine.ggml import GGML_XML
@@ -603,6 +604,54 @@ def test_auto_keeps_the_faster_kernels_per_model_and_says_which(gguf_target, ir_
         Engine(ir_target, None, Settings(config=EXACT_CONFIG, kernels="ggml", library=library))
     with pytest.raises(EngineError, match="'gemm' reads on ggml's kernels"):
         Engine(ir_target, None, Settings(config=EXACT_CONFIG, prompt_reader="gemm"))
+
+
+@pytest.mark.parametrize("on_ggml", [True, False])
+def test_the_screen_times_a_quarter_of_the_blocks_linear_layers_and_the_head_each_on_its_own_input(
+    gguf_target, library, on_ggml
+):
+    core = ov.Core()
+    ggml.register(core, library)
+    xml = gguf_target / (GGML_XML if on_ggml else "openvino_model.xml")
+    flags = 0 if on_ggml else None
+    whole = screen.linear_nodes(core.read_model(xml), on_ggml)
+    assert len(whole) == (4 if on_ggml else 7) * 2 + 1  # (2 blocks: the tiny model's)
+    (block, reads), (head, once) = screen.parts(core.read_model(xml), 2, flags)
+    assert (reads, once) == (2.0, 1.0)  # (a quarter of 2 blocks is 1)
+    assert len(block.inputs) == len(whole) // 2 and len(head.inputs) == 1
+    assert sum(len(n.outputs()) for n in whole[: len(whole) // 2]) == len(block.outputs) == 7
+    for part in (block, head):
+        x = {i: np.ones([1, 1, p.get_partial_shape()[-1].get_length()], np.float32) for i, p in enumerate(part.inputs)}
+        out = core.compile_model(part, "CPU", EXACT_CONFIG)(x)
+        assert all(np.isfinite(out[i]).all() for i in range(len(part.outputs)))
+    assert out[0].shape[-1] == json.loads((gguf_target / "config.json").read_text())["vocab_size"]
+    assert screen.parts(core.read_model(xml), 3, flags) == []  # (15 or 9 layers are not 3 blocks and a head)
+    assert screen.step_seconds(gguf_target, library if on_ggml else None, "CPU", EXACT_CONFIG) > 0
+
+
+@pytest.mark.parametrize("plugin_over_ggml, built", [(2.0, ["ggml"]), (1 / 2.0, ["openvino"]), (1.1, None)])
+def test_kernels_whose_linear_layers_are_slower_by_the_margin_are_not_built_whole(
+    gguf_target, library, tmp_path, caplog, plugin_over_ggml, built
+):
+    """Injected screen timings: a candidate slower by the margin is never built; within it, both
+    are timed whole, one at a time, and the faster kept."""
+    made = []
+
+    def build(kernels):
+        made.append("ggml" if kernels else "openvino")
+        return Runtime(gguf_target, config=EXACT_CONFIG, kernels=kernels)
+
+    def linears_seconds(kernels):
+        return 0.01 * (1.0 if kernels else plugin_over_ggml)
+
+    measured = Measured(tmp_path / "m.json", {}, "", reused=False)
+    with caplog.at_level(logging.INFO, logger="specchat.engine"):
+        runtime = on_kernels(build, gguf_target, "auto", library, measured, linears_seconds)
+    if built is None:
+        assert made[:2] == ["openvino", "ggml"] and "a plain step:" in caplog.text
+    else:
+        assert made == built and "not built whole" in caplog.text and "a plain step:" not in caplog.text
+    assert runtime.kernels == measured.get(f"kernels for {gguf_target.name}") == made[-1]
 
 
 def test_a_second_start_reads_back_what_the_first_measured_and_says_so(gguf_target, gguf_draft, library, caplog):

@@ -185,7 +185,6 @@ class Runtime:
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
         self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
-        self._quantized_kv = not precision.is_real()  # u8: entries stored with a scale and zero point
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
         self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
@@ -260,20 +259,15 @@ class Runtime:
         del self.origins[keep:]
 
     def _gather(self, slots: np.ndarray) -> None:
-        """Keep only the cache entries at ``slots``: a copy of every state out and back in. A
-        prefix (every trim of a cache without holes) is set back as a view of what was read,
-        which saves a third of the copying (docs/design.md, "Rollback cost"), except into a
-        quantized (u8) cache: the plugin reads such a view as if it were contiguous, and the
-        entries come back scrambled (docs/design.md, "Rollback cost")."""
-        view = slots[-1] == len(slots) - 1 and not self._quantized_kv
+        """Keep only the cache entries at ``slots``: a copy of every state out and back in (a
+        prefix, every trim of a cache without holes, sliced rather than gathered). Not a view of
+        what was read (``ov.Tensor(tensor, begin, end)``): the plugin keeps a view it is set to
+        beside its own copy of the entries, twice the cache's memory until the state is set again,
+        for no gain in time on AVX2 (docs/design.md, "Rollback cost")."""
+        prefix = slots[-1] == len(slots) - 1
         for state in self.request.query_state():
-            kept = state.state
-            if view:
-                shape = list(kept.shape)
-                kept = ov.Tensor(kept, [0] * len(shape), [*shape[:2], len(slots), *shape[3:]])
-            else:
-                kept = state_tensor(np.take(kept.data, slots, axis=2))
-            state.state = kept
+            entries = state.state.data
+            state.state = state_tensor(entries[:, :, : len(slots)] if prefix else np.take(entries, slots, axis=2))
         self._mask = np.ones(len(slots), dtype=np.int64)
 
     def hold(self, tokens: Sequence[int]) -> None:
@@ -286,7 +280,9 @@ class Runtime:
         """Make the cache hold ``context`` entries of zeros, the states set directly (no prefill):
         what a pass costs at a length, without paying for the prompt first."""
         shape = self.empty_state.shape
-        release_states(self.request, np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
+        zeros = state_tensor(np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
+        for state in self.request.query_state():  # (a tensor of its own each would double the peak)
+            state.state = zeros
         self.hold_loaded([0] * context)
 
     def entries(self) -> dict[str, np.ndarray]:

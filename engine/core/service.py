@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine import ggml
-from engine.core import chat, window
+from engine.core import chat, screen, window
 from engine.core.budget import MemoryBudget, gib
 from engine.core.draft_vocab import ids_key
 from engine.core.drafters import Drafter, Price
@@ -128,6 +128,7 @@ class Engine:
             s.kernels,
             s.library,
             self.measured,
+            lambda lib: screen.step_seconds(target_dir, lib, s.device, target_config, s.activations),
         )
         self.target.warm_up()
         target_bytes = resident_bytes() - before
@@ -149,6 +150,7 @@ class Engine:
                 s.kernels,
                 s.library,
                 self.measured,
+                lambda lib: screen.step_seconds(draft_dir, lib, s.device, draft_config, s.activations),
             )
             self.draft.warm_up()
             self.draft.pass_width = self._draft_pass_width()
@@ -475,13 +477,19 @@ def _depends_on(target_dir: Path, draft_dir: Path | None, s: Settings) -> dict[s
 
 
 def on_kernels(
-    build: Callable[[Path | None], Runtime], ir_dir: Path, choice: str, library: Path | None, measured: Measured
+    build: Callable[[Path | None], Runtime],
+    ir_dir: Path,
+    choice: str,
+    library: Path | None,
+    measured: Measured,
+    linears_seconds: Callable[[Path | None], float | None] = lambda kernels: None,
 ) -> Runtime:
     """The runtime of the model in ``ir_dir`` on the kernels ``choice`` names (:data:`KERNELS`):
     ``build(library)`` makes it on ggml's, ``build(None)`` on the plugin's. ``auto`` keeps the
-    faster, as ``measured`` keeps it for this machine, else timing a plain step on each (logged),
-    one in memory at a time; a model without a graph on ggml's kernels (one not from a GGUF file)
-    runs the plugin's."""
+    faster, as ``measured`` keeps it for this machine, else as ``linears_seconds`` (the same
+    arguments; engine.core.screen) shows one of them slower by its margin, else timing a plain step
+    on each, one in memory at a time (logged); a model without a graph on ggml's kernels (one not
+    from a GGUF file) runs the plugin's."""
     if choice not in KERNELS:
         raise EngineError(f"unknown kernels '{choice}': choose one of {', '.join(KERNELS)}")
     on_ggml = library is not None and (ir_dir / GGML_XML).exists()
@@ -496,6 +504,10 @@ def on_kernels(
     if kept is not None:
         log.info("%s: %s (measured %s)", name, kept, measured.describe())
         return build(library if kept == "ggml" else None)
+    faster = _screened(name, library, linears_seconds)
+    if faster is not None:
+        measured.put(name, faster)
+        return build(library if faster == "ggml" else None)
     times: dict[str, float] = {}
     runtime = None
     for kernels in (None, library):
@@ -512,6 +524,28 @@ def on_kernels(
         return_freed_buffers()
         runtime = build(None)
     return runtime
+
+
+def _screened(name: str, library: Path | None, linears_seconds: Callable[[Path | None], float | None]) -> str | None:
+    """The kernels whose linear layers are faster than the other's by the screen's margin (logged),
+    so that the other is not built whole; None where neither is, or they were not timed."""
+    times: dict[str, float] = {}
+    for kernels, label in ((None, "openvino"), (library, "ggml")):
+        seconds = linears_seconds(kernels)
+        if seconds is None:
+            return None
+        times[label] = seconds
+        return_freed_buffers()
+    faster, slower = sorted(times, key=times.__getitem__)
+    if times[slower] < screen.MARGIN * times[faster]:
+        return None
+    log.info(
+        "%s: %s (a step's linear layers, timed in parts: %s; the other not built whole)",
+        name,
+        faster,
+        _milliseconds(times),
+    )
+    return faster
 
 
 def _milliseconds(seconds: dict[Any, float]) -> str:
