@@ -323,14 +323,16 @@ def run_fidelity(args: argparse.Namespace) -> dict:
         runs[GGUF + ON_GGML] = (irs[GGUF], library, 8)
         if ggml.fine_activations(library):
             runs[GGUF + ON_GGML + IN_14_BITS] = (irs[GGUF], library, 14)
-    reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
-    rows: dict[str, dict] = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}}
-    rows |= {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _, _) in runs.items()}
+    rows: dict[str, dict] = {name: {"weights": name, "size_mb": _size_mb(ir)} for name, (ir, _, _) in runs.items()}
+    # (the file model, dequantized through torch, only where it is compared against: minutes and GiBs)
+    if "agreement" in args.measures or "perplexity" in args.measures:
+        reference_ir = prepare_one(args.target, compression_from_args(args, "target", "fp16"), cache).path
+        rows = {FILE_MODEL: {"weights": FILE_MODEL, "size_mb": _size_mb(reference_ir)}} | rows
 
     with tempfile.TemporaryDirectory() as folder:
         # The file model's log-probabilities over the text, for llama.cpp's own agreement with it.
         base = Path(folder, "file-model.kld") if args.llamacpp and "perplexity" in args.measures else None
-        if "agreement" in args.measures or "perplexity" in args.measures:
+        if FILE_MODEL in rows:
             _against_the_file(args, reference_ir, runs, rows, base)
         if base is not None:
             tools = llamacpp.build_tools(cache)
@@ -342,7 +344,7 @@ def run_fidelity(args: argparse.Namespace) -> dict:
                 "perplexity": llamacpp_perplexity(tools / "llama-perplexity", gguf, fixed_text(args.text_kb)),
             }
     for row in rows.values():
-        if "perplexity" in row and "perplexity" in rows[FILE_MODEL]:
+        if "perplexity" in row and "perplexity" in rows.get(FILE_MODEL, {}):
             row["perplexity_vs_file"] = row["perplexity"] / rows[FILE_MODEL]["perplexity"] - 1
     items = problems(args.problems) if "functional" in args.measures else []
     answers = _functional(args, precisions, rows, items) if items else {}

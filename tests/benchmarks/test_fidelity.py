@@ -107,3 +107,20 @@ def test_the_files_side_is_computed_once_and_read_back(long_target, tmp_path, mo
     model = Runtime(long_target, config=EXACT_CONFIG)
     top1, deltas = fidelity.agreement(again["positions"]["coding"], model, again["sequences"]["coding"])
     assert top1 == 1.0 and max(deltas) < 1e-4
+
+
+def test_the_functional_check_alone_prepares_no_file_model(tmp_path, monkeypatch):
+    """The file model (the GGUF dequantized through torch) is prepared only to be compared against."""
+    import argparse
+
+    from benchmarks import fidelity
+
+    (tmp_path / "openvino_model.bin").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(fidelity, "prepare_one", lambda *a, **k: pytest.fail("the file model was prepared"))
+    monkeypatch.setattr(fidelity, "target_ir", lambda args, precision, cache: tmp_path)
+    monkeypatch.setattr(fidelity, "problems", lambda count: problems(1))
+    monkeypatch.setattr(fidelity, "_functional", lambda args, precisions, rows, items: {"int4": ["an answer"]})
+    args = argparse.Namespace(precisions="int4", measures=["functional"], problems=1, llamacpp=True, cache_dir=tmp_path)
+    figures = fidelity.run_fidelity(args)
+    assert [row["weights"] for row in figures["rows"]] == ["int4"] and figures["answers"] == {"int4": ["an answer"]}
+    assert figures["task_ids"] == [problems(1)[0].task_id]
