@@ -86,6 +86,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "them from an earlier start (they are kept per CPU, kernels' build, models and settings)",
     )
     parser.add_argument(
+        "--batching",
+        choices=("on", "off"),
+        default="on",
+        help="whether requests that generate at once share batched passes (off: each its own rounds, "
+        "every answer its solo run's bit for bit, less throughput while several generate)",
+    )
+    parser.add_argument(
         "--batch-speculation",
         choices=("on", "off"),
         default="on",
@@ -130,6 +137,7 @@ def _engine(
             client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
             shared_pool=getattr(args, "shared_pool", False),
             prompt_reader=getattr(args, "prompt_reader", "auto"),
+            batching=getattr(args, "batching", "on") == "on",
             batch_speculation=getattr(args, "batch_speculation", "on") == "on",
             kernels=getattr(args, "kernels", "auto"),
             library=library,

@@ -105,6 +105,21 @@ def test_every_answer_equals_its_solo_run_whatever_joins_leaves_or_is_cancelled(
     assert batched >= 3  # they were served together
 
 
+def test_without_batching_requests_served_at_once_each_take_their_own_rounds(ir_target, ir_draft):
+    """``batching=False``: requests generating at once never share a pass, and each answer is its
+    solo run's (what a batched row cannot promise on every CPU: docs/design.md, "Batching")."""
+    settings = Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="off", batching=False)
+    with Engine(ir_target, ir_draft, settings) as engine:
+        requests = [ask(f"Request {i}: tell me about the number {i * 5}.") for i in range(3)]
+        solo = [alone(engine, r) for r in requests]
+        with held(engine):
+            streams = [engine.generate(r) for r in requests]
+        for stream, expected in zip(streams, solo):
+            final, largest = finish(stream)
+            assert final.kind == "done" and final.token_ids == expected and largest == 1
+        assert engine.scheduler._batch.passes == 0
+
+
 def test_a_request_stopped_while_queued_ends_without_running(shared):
     with held(shared):
         stream = shared.generate(ask("Stopped before it starts."))

@@ -42,6 +42,14 @@ def test_requests_batch_from_their_second_round_shortest_first_within_the_spread
     assert plan([wide, mid, short, reading], 0, 8, anything_fits) == Plan(together=(1, 2), side=(4, 3))
 
 
+def test_without_batching_each_request_takes_its_own_round_and_first_rounds_still_come_first():
+    short, mid = seat(1, context=100), seat(2, context=300)
+    reading = seat(4, reading=True, unread=5000, rounds=0, side_s=0.1)
+    assert plan([mid, short, reading], 0, 8, anything_fits, batching=False) == Plan(alone=(2, 1), side=(4,))
+    due = seat(5, rounds=0)  # (its prompt read but for its first round)
+    assert plan([mid, short, due], 0, 8, anything_fits, batching=False) == Plan(first=5)
+
+
 def test_rows_batch_only_while_they_fit_the_memory_budget_padded_to_the_widest():
     seats = [seat(1, context=100), seat(2, context=200), seat(3, context=300)]
     two_rows = lambda rows: len(rows) * max(r.context for r in rows) <= 400  # noqa: E731

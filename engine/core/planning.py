@@ -49,7 +49,13 @@ class Plan:
     side: tuple[int, ...] = ()  # side work, least served first: a slice of a prompt, or a lone round
 
 
-def plan(seats: Sequence[Seat], firsts_in_a_row: int, max_batch: int, fits: Callable[[Sequence[Seat]], bool]) -> Plan:
+def plan(
+    seats: Sequence[Seat],
+    firsts_in_a_row: int,
+    max_batch: int,
+    fits: Callable[[Sequence[Seat]], bool],
+    batching: bool = True,
+) -> Plan:
     """The next iteration. A first round due comes first, so a user has a token as soon as the
     prompt is read, not after every prompt that arrived with it: the next is that of the client
     with the fewest requests already answering (a client with one answering waits for every other
@@ -57,7 +63,8 @@ def plan(seats: Sequence[Seat], firsts_in_a_row: int, max_batch: int, fits: Call
     most ``max_batch`` in a row (``firsts_in_a_row``), so a stream of arrivals does not hold the
     others back. Else the shared work: one batched pass of the requests that generate together
     (from their second round, the shortest first, within :data:`BATCH_SPREAD`, ``max_batch`` and
-    what ``fits`` the memory budget padded to the widest), or, where none batch, a round of each.
+    what ``fits`` the memory budget padded to the widest), or, where none batch (or not
+    ``batching``), a round of each.
     Then side work: the prompts still being read, and the rows that do not batch."""
     due = [s for s in seats if s.first_due]
     if due and firsts_in_a_row < max_batch:
@@ -65,7 +72,7 @@ def plan(seats: Sequence[Seat], firsts_in_a_row: int, max_batch: int, fits: Call
         return Plan(first=min(due, key=lambda s: (answering[s.client], s.unread)).key)
     generating = [s for s in seats if not s.reading]
     going = [s for s in generating if s.rounds > 0]
-    together = _batchable(going, max_batch, fits) if len(generating) > 1 else []
+    together = _batchable(going, max_batch, fits) if batching and len(generating) > 1 else []
     # (while others start beside it, a lone row of the batch stays in it: alone, it would leave
     # and its draft re-read the conversation, only to join again at the next iteration)
     if len(together) == 1 and not (due and together[0].batched):

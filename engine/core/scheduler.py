@@ -67,13 +67,15 @@ class Scheduler:
         pools: Pools,
         reader: PromptReader | None = None,
         prices: BatchPrices | None = None,
+        batching: bool = True,
     ) -> None:
         """``clients``: the ledger the engine admits requests by (a finished one is returned to
         it here); ``pacing``, ``stop_ids``, ``fence_ids`` and ``reader`` (the prompt reader, if
         one is used) go to every request's decoder; ``pools``: the clients' n-gram pools, which
         paced requests draft from and every finished one adds its conversation to; ``prices``:
         what batched passes cost by rows and width, which prices the copies rows verify in them
-        (None: batched passes are plain steps)."""
+        (None: batched passes are plain steps); ``batching``: whether requests share batched passes
+        at all (:attr:`~engine.core.settings.Settings.batching`)."""
         self.target = target
         self.sessions = sessions
         self.budget = budget
@@ -83,6 +85,7 @@ class Scheduler:
         self.fence_ids = fence_ids
         self.pools = pools
         self.reader = reader
+        self.batching = batching
         self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
         self._batch = Batch(self.target)
@@ -242,7 +245,7 @@ class Scheduler:
         reading. A request that arrives meanwhile ends the iteration's side work: it starts at
         the next one, its first token not behind a slice (the paste keeps its credit)."""
         seats = [job.seat(job.key in self._batch) for job in self._serving]
-        plan = planning.plan(seats, self._firsts, self.max_batch, self.memory.rows_fit(self._serving))
+        plan = planning.plan(seats, self._firsts, self.max_batch, self.memory.rows_fit(self._serving), self.batching)
         jobs = {job.key: job for job in self._serving}
         start = time.perf_counter()
         if plan.first is not None:

@@ -220,6 +220,7 @@ class Engine:
             Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, self.settings.shared_pool),
             self.reader,
             BatchPrices(self.pacing.costs) if self.settings.batch_speculation else None,
+            self.settings.batching,
         )
 
     def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:

@@ -55,6 +55,10 @@ class Settings:
     """How prompts are read (:data:`~engine.core.reader.READERS`): ``auto`` times the readers at
     start and uses one where it reads faster and the budget holds its weights beside the full input
     cap; ``off``: the target's own passes."""
+    batching: bool = True
+    """Requests that generate at once share batched target passes (engine.core.batch); off: each
+    its own rounds, so every answer is its solo run's bit for bit (a batched row's logits move with
+    its padding: docs/design.md, "Batching"), for less throughput while several generate."""
     batch_speculation: bool = True
     """Requests served together verify their copies in the batched pass (else plain batched steps)."""
     kernels: str = "openvino"
