@@ -13,7 +13,7 @@ from engine.core.budget import parse_size
 from engine.core.reader import READERS
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG
 from engine.core.service import Engine
-from engine.core.settings import KERNELS, Settings
+from engine.core.settings import BATCHING, KERNELS, Settings
 from engine.core.turns import NO_LIMITS
 from engine.core.window import Overflow
 from engine.ggml import ACTIVATIONS
@@ -87,10 +87,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batching",
-        choices=("on", "off"),
-        default="on",
-        help="whether requests that generate at once share batched passes (off: each its own rounds, "
-        "every answer its solo run's bit for bit, less throughput while several generate)",
+        choices=BATCHING,
+        default="auto",
+        help="whether requests that generate at once share batched passes (off: each its own rounds, every "
+        "answer its solo run's bit for bit; auto: on where a batched row computes its lone logits here)",
     )
     parser.add_argument(
         "--batch-speculation",
@@ -137,7 +137,7 @@ def _engine(
             client_limits=getattr(args, "client_limits", None) or NO_LIMITS,
             shared_pool=getattr(args, "shared_pool", False),
             prompt_reader=getattr(args, "prompt_reader", "auto"),
-            batching=getattr(args, "batching", "on") == "on",
+            batching=getattr(args, "batching", "auto"),
             batch_speculation=getattr(args, "batch_speculation", "on") == "on",
             kernels=getattr(args, "kernels", "auto"),
             library=library,

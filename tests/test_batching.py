@@ -6,6 +6,8 @@ only its own requests."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +18,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from engine.core import batch as batch_module
-from engine.core import planning
+from engine.core import planning, service
 from engine.core.decoding import DecodeConfig, Decoder
 from engine.core.drafters import Draft, LookupDrafter
 from engine.core.metrics import Stats
@@ -26,6 +28,7 @@ from engine.core.runtime import EXACT_CONFIG, Runtime, common_prefix
 from engine.core.sampling import SamplingParams, logits_to_probs
 from engine.core.service import Engine
 from engine.core.settings import Settings
+from engine.errors import EngineError
 
 ANSWER = 24
 
@@ -33,7 +36,9 @@ ANSWER = 24
 @pytest.fixture(scope="module")
 def shared(ir_target, ir_draft) -> Engine:
     return Engine(
-        ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32")
+        ir_target,
+        ir_draft,
+        Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32", batching="on"),
     )
 
 
@@ -106,9 +111,9 @@ def test_every_answer_equals_its_solo_run_whatever_joins_leaves_or_is_cancelled(
 
 
 def test_without_batching_requests_served_at_once_each_take_their_own_rounds(ir_target, ir_draft):
-    """``batching=False``: requests generating at once never share a pass, and each answer is its
+    """``batching="off"``: requests generating at once never share a pass, and each answer is its
     solo run's (what a batched row cannot promise on every CPU: docs/design.md, "Batching")."""
-    settings = Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="off", batching=False)
+    settings = Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="off", batching="off")
     with Engine(ir_target, ir_draft, settings) as engine:
         requests = [ask(f"Request {i}: tell me about the number {i * 5}.") for i in range(3)]
         solo = [alone(engine, r) for r in requests]
@@ -118,6 +123,23 @@ def test_without_batching_requests_served_at_once_each_take_their_own_rounds(ir_
             final, largest = finish(stream)
             assert final.kind == "done" and final.token_ids == expected and largest == 1
         assert engine.scheduler._batch.passes == 0
+
+
+def test_auto_batches_only_where_a_padded_row_keeps_its_lone_logits(ir_target, ir_draft, monkeypatch, caplog):
+    """``auto`` probes at start whether a left-padded batched row keeps its lone logits (a row
+    not padded always does), and batches only where it does; a restart reads the verdict back."""
+    assert batch_module.padded_row_error(Runtime(ir_target, config=EXACT_CONFIG), pads=(0,)) == 0.0
+    settings = Settings(config=EXACT_CONFIG, pacing=Pacing(), prompt_reader="off", remeasure=True)
+    for moved, verdict in ((0.0, "on"), (0.43, "off")):
+        monkeypatch.setattr(service, "padded_row_error", lambda target, moved=moved: moved)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specchat.engine"), Engine(ir_target, ir_draft, settings) as engine:
+            assert engine.scheduler.batching == (verdict == "on") and f"batching: {verdict} (" in caplog.text
+    monkeypatch.setattr(service, "padded_row_error", lambda target: pytest.fail("probed again"))
+    with Engine(ir_target, ir_draft, dataclasses.replace(settings, remeasure=False)) as engine:
+        assert not engine.scheduler.batching
+    with pytest.raises(EngineError, match="unknown batching"):
+        Engine(ir_target, ir_draft, dataclasses.replace(settings, batching="maybe"))
 
 
 def test_a_request_stopped_while_queued_ends_without_running(shared):

@@ -216,3 +216,25 @@ def _fit(states: np.ndarray, width: int) -> np.ndarray:
         return states[:, :, slots - width :]
     pad = np.zeros((*states.shape[:2], width - slots, *states.shape[3:]), dtype=states.dtype)
     return np.concatenate([pad, states], axis=2)
+
+
+def padded_row_error(template: Runtime, pads: Sequence[int] = (1, 2, 3), prompt: int = 17) -> float:
+    """The largest change in a row's logits when a batched pass left-pads it by each of ``pads``
+    slots beside a longer row, against the same pass alone (0.0: bit for bit). The plugin's
+    one-token attention sums a row's positions in groups counted from the cache's first slot, so
+    on some CPUs and kernels a padded row rounds differently (docs/design.md, "Batching")."""
+    tokens = list(range(1, prompt + 1))
+    alone = template.fork()
+    alone.forward(tokens)
+    expected = alone.forward([1])
+    alone.release()
+    moved = 0.0
+    for pad in pads:
+        short, long = template.fork(), template.fork()
+        short.forward(tokens)
+        long.forward(list(range(2, prompt + pad + 2)))
+        batch = Batch(template)
+        batch.join([(0, short), (1, long)])
+        moved = max(moved, float(np.abs(batch.step([[1], [1]])[0] - expected).max()))
+        release_states(batch.request, template.empty_state)
+    return moved

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from engine import ggml
 from engine.core import chat, screen, window
+from engine.core.batch import padded_row_error
 from engine.core.budget import MemoryBudget, gib
 from engine.core.draft_vocab import ids_key
 from engine.core.drafters import Drafter, Price
@@ -49,7 +50,7 @@ from engine.core.requests import Event, Request, Stream
 from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import Scheduler
 from engine.core.sessions import MAX_SESSIONS, Opening, SessionPool
-from engine.core.settings import DEFAULTS, KERNELS, Settings
+from engine.core.settings import BATCHING, DEFAULTS, KERNELS, Settings
 from engine.core.tokenizer import load_tokenizer
 from engine.core.turns import ClientBusy, ClientLedger
 from engine.core.window import Overflow
@@ -220,8 +221,31 @@ class Engine:
             Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, self.settings.shared_pool),
             self.reader,
             BatchPrices(self.pacing.costs) if self.settings.batch_speculation else None,
-            self.settings.batching,
+            self._batching(),
         )
+
+    def _batching(self) -> bool:
+        """Whether requests generating at once share batched passes (:attr:`Settings.batching`):
+        under ``auto``, where a row left-padded by 1 to 3 slots gives its lone logits bit for bit,
+        as kept for this machine or probed (and kept)."""
+        choice = self.settings.batching
+        if choice not in BATCHING:
+            raise EngineError(f"unknown batching '{choice}': choose one of {', '.join(BATCHING)}")
+        if choice != "auto":
+            return choice == "on"
+        name = "batched rows exact"
+        exact = self.measured.get(name)
+        if exact is None:
+            moved = padded_row_error(self.target)
+            exact = moved == 0.0
+            log.info(
+                "batching: %s (a row left-padded in a batched pass moved its logits by up to %.2g here%s)",
+                "on" if exact else "off",
+                moved,
+                "" if exact else ": each request takes its own rounds, every answer its solo run's; --batching on",
+            )
+            self.measured.put(name, exact)
+        return bool(exact)
 
     def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:
         """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`), its weights laid

@@ -16,6 +16,8 @@ from engine.core.window import Overflow
 # What computes the models' linear layers: the OpenVINO plugin's kernels, ggml's on the GGUF's
 # own blocks (engine.ggml), or the faster of the two on this machine, per model.
 KERNELS = ("auto", "openvino", "ggml")
+# Whether requests generating at once share batched passes: on, off, or where exact here.
+BATCHING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,11 @@ class Settings:
     """How prompts are read (:data:`~engine.core.reader.READERS`): ``auto`` times the readers at
     start and uses one where it reads faster and the budget holds its weights beside the full input
     cap; ``off``: the target's own passes."""
-    batching: bool = True
-    """Requests that generate at once share batched target passes (engine.core.batch); off: each
-    its own rounds, so every answer is its solo run's bit for bit (a batched row's logits move with
-    its padding: docs/design.md, "Batching"), for less throughput while several generate."""
+    batching: str = "auto"
+    """``on``: requests that generate at once share batched target passes (engine.core.batch);
+    ``off``: each takes its own rounds, so every answer is its solo run's bit for bit; ``auto``:
+    on where a batched row gives its lone logits on this machine, measured at start (a row's
+    logits may move with its padding: docs/design.md, "Batching"), else off."""
     batch_speculation: bool = True
     """Requests served together verify their copies in the batched pass (else plain batched steps)."""
     kernels: str = "openvino"

@@ -18,7 +18,11 @@ from tests.ui.served import serve
 @pytest.fixture(scope="module")
 def url(ir_target, ir_draft):
     demo, url = serve(
-        Engine(ir_target, ir_draft, Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32"))
+        Engine(
+            ir_target,
+            ir_draft,
+            Settings(config=EXACT_CONFIG, max_sessions=4, pacing=Pacing(), prompt_reader="f32", batching="on"),
+        )
     )
     yield url
     demo.close()
