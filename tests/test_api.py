@@ -128,6 +128,7 @@ def test_models_and_health_describe_the_pair(client, served, engine):
     health = httpx.get(f"{served}health")
     running = {role: spec | {"running": engine.models[role]} for role, spec in MODELS.items()}
     expected = {"status": "ok", "models": running, "queue": 0, "replicas": 1, "measured": engine.models["measured"]}
+    expected["batching"] = engine.models["batching"]
     assert health.status_code == 200 and health.json() == expected
     assert engine.measured.describe() == expected["measured"]  # (when start timed what it chose)
 

@@ -135,6 +135,7 @@ def test_auto_batches_only_where_a_padded_row_keeps_its_lone_logits(ir_target, i
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="specchat.engine"), Engine(ir_target, ir_draft, settings) as engine:
             assert engine.scheduler.batching == (verdict == "on") and f"batching: {verdict} (" in caplog.text
+            assert engine.models["batching"].startswith(f"{verdict}: a batched row")  # (/health says it)
     monkeypatch.setattr(service, "padded_row_error", lambda target: pytest.fail("probed again"))
     with Engine(ir_target, ir_draft, dataclasses.replace(settings, remeasure=False)) as engine:
         assert not engine.scheduler.batching

@@ -165,7 +165,7 @@ def build_router(
         }
         body = {"status": engine.state, "models": described, "queue": engine.pending, "replicas": engine.replicas}
         # (when the kernels, the reader and the passes were timed; the op's choices per pass shape)
-        body |= {name: running[name] for name in ("measured", "op kernels") if name in running}
+        body |= {name: running[name] for name in ("measured", "batching", "op kernels") if name in running}
         return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @router.get("/v1/models")

@@ -71,6 +71,7 @@ MAX_CHARS_PER_TOKEN = 16
 MIN_ANSWER_ROOM = 256
 # The entry of Engine.models that says which way the op's passes multiply, per pass shape.
 OP_KERNELS = "op kernels"
+BATCHING_KEY = "batching"  # (/health's: whether requests generating at once share passes, and why)
 log = logging.getLogger("specchat.engine")
 
 
@@ -232,6 +233,7 @@ class Engine:
         if choice not in BATCHING:
             raise EngineError(f"unknown batching '{choice}': choose one of {', '.join(BATCHING)}")
         if choice != "auto":
+            self.batching = f"{choice}, as asked"
             return choice == "on"
         name = "batched rows exact"
         exact = self.measured.get(name)
@@ -245,6 +247,9 @@ class Engine:
                 "" if exact else ": each request takes its own rounds, every answer its solo run's; --batching on",
             )
             self.measured.put(name, exact)
+        self.batching = (
+            "on: a batched row gives its lone logits here" if exact else "off: a batched row's logits move here"
+        )
         return bool(exact)
 
     def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:
@@ -327,7 +332,7 @@ class Engine:
     def models(self) -> dict[str, str]:
         """Each role's model name and precision, and when what start times was measured, for people."""
         roles = {"target": self.target.label} | ({"draft": self.draft.label} if self.draft else {})
-        roles |= {"measured": self.measured.describe()}
+        roles |= {"measured": self.measured.describe(), BATCHING_KEY: self.batching}
         if self.library is not None:  # (/health's, not the page's: how many pass shapes took which way)
             roles[OP_KERNELS] = ggml.describe_choices(ggml.choices(self.library))
         return roles
