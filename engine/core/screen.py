@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,9 +110,14 @@ def _pass_seconds(compiled: ov.CompiledModel, reps: int) -> float:
     rng = np.random.default_rng(0)
     shapes = ([1 if d.is_dynamic else d.get_length() for d in p.get_partial_shape()] for p in compiled.inputs)
     feed = {i: rng.standard_normal(shape).astype(np.float32) for i, shape in enumerate(shapes)}
+    return median_seconds(lambda: request.infer(feed), reps)
+
+
+def median_seconds(call: Callable[[], object], reps: int) -> float:
+    """The median time of ``reps`` calls of ``call``, after two more that set up its shapes."""
     times = []
-    for _ in range(reps + 2):  # (the first two set up the pass's shapes)
+    for _ in range(reps + 2):
         start = time.perf_counter()
-        request.infer(feed)
+        call()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])

@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -114,6 +112,7 @@ class Engine:
         self.step_timeout = settings.step_timeout
         self._clients = ClientLedger(settings.client_limits)
         self._tokenizing = threading.Lock()  # the tokenizer's special-token switch is shared state
+        self.batches, self.batching = self._batching()  # (whether requests share passes, and why)
         self.scheduler = self._scheduler()
 
     def _load_models(self, target_dir: Path, draft_dir: Path | None) -> int:
@@ -222,19 +221,18 @@ class Engine:
             Pools(self.target.vocab_size, self.pacing.worth_copying, LOOKUP_SPAN, self.settings.shared_pool),
             self.reader,
             BatchPrices(self.pacing.costs) if self.settings.batch_speculation else None,
-            self._batching(),
+            self.batches,
         )
 
-    def _batching(self) -> bool:
-        """Whether requests generating at once share batched passes (:attr:`Settings.batching`):
-        under ``auto``, where a row left-padded by 1 to 3 slots gives its lone logits bit for bit,
-        as kept for this machine or probed (and kept)."""
+    def _batching(self) -> tuple[bool, str]:
+        """Whether requests generating at once share batched passes (:attr:`Settings.batching`),
+        and why, for ``/health``: under ``auto``, where a row left-padded by 1 to 3 slots gives its
+        lone logits bit for bit, as kept for this machine or probed (and kept)."""
         choice = self.settings.batching
         if choice not in BATCHING:
             raise EngineError(f"unknown batching '{choice}': choose one of {', '.join(BATCHING)}")
         if choice != "auto":
-            self.batching = f"{choice}, as asked"
-            return choice == "on"
+            return choice == "on", f"{choice}, as asked"
         name = "batched rows exact"
         exact = self.measured.get(name)
         if exact is None:
@@ -247,10 +245,9 @@ class Engine:
                 "" if exact else ": each request takes its own rounds, every answer its solo run's; --batching on",
             )
             self.measured.put(name, exact)
-        self.batching = (
+        return bool(exact), (
             "on: a batched row gives its lone logits here" if exact else "off: a batched row's logits move here"
         )
-        return bool(exact)
 
     def _reader(self, choice: str, plugin: bool, stateless: bool) -> PromptReader | None:
         """The prompt reader ``choice`` names (:data:`~engine.core.reader.READERS`), its weights laid
@@ -586,10 +583,6 @@ def _milliseconds(seconds: dict[Any, float]) -> str:
 def plain_step_seconds(runtime: Runtime, context: int = 64, steps: int = 8) -> float:
     """The median time of a plain step after ``context`` tokens (the cache given back after)."""
     runtime.forward(list(range(1, context + 1)))
-    times = []
-    for _ in range(steps + 2):  # (the first two set up the step's shapes)
-        start = time.perf_counter()
-        runtime.forward([1])
-        times.append(time.perf_counter() - start)
+    seconds = screen.median_seconds(lambda: runtime.forward([1]), steps)
     runtime.release()
-    return statistics.median(times[2:])
+    return seconds
