@@ -38,7 +38,9 @@ def test_a_gguf_step_reads_every_tensor_but_the_embedding_table(hf_target, tiny_
 
 def test_the_node_profile_splits_the_counted_time_by_node_type(ir_target):
     rows, step_ms = decode_profile.node_profile(ir_target, [5, 17, 42, 99], steps=4, kernels=(None, 8))
-    assert rows[-1]["node_type"] == "other" and len(rows) > 3 and step_ms > 0
+    assert rows[-1]["node_type"] == "other" and len(rows) >= 2 and step_ms > 0
+    # (how many types pass the 1% mark depends on the machine's timing: 2 to 4 here)
+    assert all(r["share"] >= 0.01 for r in rows[:-1]) and rows[0]["ms"] == max(r["ms"] for r in rows[:-1])
     assert sum(r["share"] for r in rows) == pytest.approx(1.0)
     assert all(r["ms"] >= 0 for r in rows)
 
