@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -38,9 +39,10 @@ AMX_ROWS = 32
 # "The op's fixed constants").
 TILED_ROWS = 256
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
-# (Its third form: weights with interleaved kernels keep their rows interleaved, and an int4
-# model's rows are 4-bit blocks. A cache holding an earlier form writes this one and drops that.)
-GGML_XML = "openvino_model_ggml3.xml"
+# (Its fourth form: weights with interleaved kernels keep their rows interleaved, an int4 model's
+# rows are 4-bit blocks, and a node norms its input and adds its biases, SwiGLU and residual
+# itself (:class:`Fused`). A cache holding an earlier form writes this one and drops that.)
+GGML_XML = "openvino_model_ggml4.xml"
 # Its input of a pass's flags (engine.core.runtime sets it on every pass): GEMM turns ggml's batched
 # kernels on (its gemm, its tiled mul_mat: a prompt reader's passes); FINE multiplies Q4_K and Q6_K
 # rows by activations in 14 bits rather than 8 in the blocks whose largest value stands out, where
@@ -167,12 +169,44 @@ def _pack_q4_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     ).astype(np.uint8)
 
 
+@dataclass(frozen=True)
+class Fused:
+    """What a node computes around its products, each as llama.cpp does (the op's fusion.h): the
+    plugin runs one node where it ran up to five, and each node it runs costs it some microseconds
+    a pass whatever its work. ``gamma``: the input RMS-normed (with ``eps``) and times it first;
+    ``biases``: per weight, added to its product (None: none); ``swiglu``: the one output
+    silu(first product) * second; ``residual``: added to the (first) output."""
+
+    gamma: np.ndarray | None = None
+    eps: float = 0.0
+    biases: Sequence[np.ndarray | None] = ()
+    swiglu: bool = False
+    residual: ov.Output | None = None
+
+    def inputs(self) -> list[ov.Output]:
+        """The node's inputs after its weights: gamma, the biases, the residual."""
+        values = [v for v in (self.gamma, *self.biases) if v is not None]
+        constants = [ops.constant(np.asarray(v, dtype=np.float32)).output(0) for v in values]
+        return constants + ([self.residual] if self.residual is not None else [])
+
+    def attributes(self) -> dict:
+        """The op's attributes that say so."""
+        return {
+            "biased": [int(b is not None) for b in self.biases] if any(b is not None for b in self.biases) else [],
+            "norm": int(self.gamma is not None),
+            "eps": float(self.eps),
+            "swiglu": int(self.swiglu),
+            "residual": int(self.residual is not None),
+        }
+
+
 def linears(
     x: ov.Output,
     weights: list[tuple[np.ndarray, int]],
     library: Path,
     interleave: bool = True,
     gemm: ov.Output | None = None,
+    fused: Fused = Fused(),
 ) -> list[ov.Output]:
     """``x @ W^T`` for each weight given as its GGUF rows (u8 [N, bytes per row]) and ggml type,
     in one node (the activations quantized once): multiplied by ggml's gemv on the rows
@@ -181,7 +215,8 @@ def linears(
     multiplies by batched kernels instead, faster over many rows, but a row then rounds with where
     it falls in its pass: for a prompt's passes. Those are the AMX tiles in bf16 from :data:`AMX_ROWS` rows where
     the CPU has them (:func:`prompt_tiles`), else ggml's (its gemm on interleaved rows, its own mul_mat on rows
-    as stored, and on interleaved Q4_K rows put back as stored from :data:`TILED_ROWS` rows on)."""
+    as stored, and on interleaved Q4_K rows put back as stored from :data:`TILED_ROWS` rows on).
+    ``fused``: what the node computes around the products (:class:`Fused`)."""
     flag = gemm if gemm is not None else ops.constant(np.zeros(1, dtype=np.int64)).output(0)
     inputs, types, interleaved_flags = [x, flag], [], []
     for rows, ggml_type in weights:
@@ -191,8 +226,21 @@ def linears(
         )
         types.append(ggml_type)
         interleaved_flags.append(int(grouped is not None))
-    attributes = {"ggml_types": types, "interleaved": interleaved_flags}
-    return list(_factory(library).create(GGML_LINEAR, inputs, attributes).outputs())
+    attributes = {"ggml_types": types, "interleaved": interleaved_flags, **fused.attributes()}
+    return list(_factory(library).create(GGML_LINEAR, [*inputs, *fused.inputs()], attributes).outputs())
+
+
+def rebuilt(node: ov.Node, rows: np.ndarray, ggml_type: int, interleaved: bool, library: Path) -> ov.Output:
+    """A one-weight op ``node`` on other rows (as the op reads them: interleaved where
+    ``interleaved``), its input, flags and fused work as they were."""
+    attributes = node.get_attributes()
+    if len(attributes["ggml_types"]) != 1:
+        raise ValueError("the node holds more than one weight")
+    rest = [node.input_value(i) for i in range(FIRST_WEIGHT + 1, node.get_input_size())]
+    weight = ops.constant(np.ascontiguousarray(rows, dtype=np.uint8)).output(0)
+    attributes.update(ggml_types=[int(ggml_type)], interleaved=[int(interleaved)])
+    inputs = [node.input_value(0), node.input_value(1), weight, *rest]
+    return _factory(library).create(GGML_LINEAR, inputs, attributes).output(0)
 
 
 def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interleave: bool = True) -> ov.Output:

@@ -53,6 +53,9 @@ STEPS = [7, 8, 9, 10, 11, 12]
 # The new graph's logits off today's where only the RoPE frequencies differ (f32 against the
 # export's f16), relative to the largest logit; measured at most 2.5e-2, see the test.
 ROPE_TOLERANCE = 0.05
+# How far the op's own norms and SwiGLU (ggml's) may move the tiny models' logits from the plugin's
+# nodes', of the largest: a row's rounding of its activations to 8 bits flipped, at most.
+FUSED_TOLERANCE = 1e-2
 # The ggml graph's logits off the plugin's, relative to the largest: the op quantizes activations to
 # 8 bits per block as llama.cpp does (tests/test_kernels.py); measured up to 6.8e-2 (qwen2), 3.9e-2
 # (llama), 3.1e-2 (qwen3).
@@ -318,10 +321,14 @@ def test_the_graphs_have_todays_inputs_output_states_and_linear_nodes(prepared, 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_the_plugin_fuses_them_as_it_fuses_todays(prepared, library, kernels):
+    """On ggml's kernels the op nodes norm their own inputs (ggml.Fused): the plugin's RMS nodes
+    are then only qwen3's, of its q and k heads."""
     layers = TINY_SHAPE["num_hidden_layers"]
-    norms = 2 * layers + 1 + 2 * layers * (prepared.architecture == "qwen3")  # (qwen3's q and k heads too)
-    counts = fused(prepared.new, on(kernels, library))
-    assert counts == fused(prepared.old, on(kernels, library))
+    heads = 2 * layers * (prepared.architecture == "qwen3")
+    norms = heads + (2 * layers + 1 if kernels == "openvino" else 0)
+    counts, today = fused(prepared.new, on(kernels, library)), fused(prepared.old, on(kernels, library))
+    assert counts - Counter(RMS=counts["RMS"]) == today - Counter(RMS=today["RMS"])
+    assert today["RMS"] == heads + 2 * layers + 1
     assert counts["RMS"] == norms and counts["RoPE"] == 2 * layers
     assert counts["ScaledDotProductAttention"] == counts["MemoryInput"] // 2 == layers
     # (each layer's seven matrices and the head; the plugin may join a layer's q, k and v, its gate and up)
@@ -331,13 +338,19 @@ def test_the_plugin_fuses_them_as_it_fuses_todays(prepared, library, kernels):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_with_the_exports_fp16_rope_frequencies_the_logits_are_todays_bit_for_bit(prepared, library, tiny_dir, kernels):
     """Everything else the graphs compute is today's: the file's rows through the same op nodes or
-    the same compressed weights, the embedding's values, the same ops for norms, RoPE, the cache
-    and the attention."""
+    the same compressed weights, the embedding's values, the same ops for RoPE, the cache and the
+    attention. The norms, SwiGLU, biases and residuals too on the plugin's kernels; on ggml's the
+    op nodes compute those as llama.cpp does (the norm's squares summed in double, ggml's exp), so
+    there within their rounding (which the activations' 8-bit rounding absorbs here)."""
     xml = GGML_XML if kernels == "ggml" else PLUGIN_XML
     like_export = with_rope_in_fp16(
         prepared.new, tiny_dir / "gguf-graph" / f"fp16-rope-{prepared.architecture}-{kernels}", library, xml
     )
-    np.testing.assert_array_equal(logits(like_export, on(kernels, library)), logits(prepared.old, on(kernels, library)))
+    new, old = logits(like_export, on(kernels, library)), logits(prepared.old, on(kernels, library))
+    if kernels == "openvino":
+        np.testing.assert_array_equal(new, old)
+    else:
+        np.testing.assert_allclose(new, old, rtol=0, atol=FUSED_TOLERANCE * np.abs(old).max())
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

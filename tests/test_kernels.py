@@ -129,6 +129,50 @@ def test_every_candidate_gives_each_row_the_bits_of_the_one_row_result_at_any_wi
         ggml.force(library, None)
 
 
+def fused_model(library: Path, kind: Q) -> ov.CompiledModel:
+    """Two weights of ``kind`` read by three nodes: plain; RMS-normed with a bias on the first;
+    SwiGLU plus a residual (a second input)."""
+    core = ov.Core()
+    ggml.register(core, library)
+    x, residual = ops.parameter([-1, K], ov.Type.f32), ops.parameter([-1, N], ov.Type.f32)
+    weights = [(random_rows(kind, N, K, seed=seed), int(kind)) for seed in (11, 12)]
+    rng = np.random.default_rng(13)
+    normed = ggml.Fused(rng.uniform(0.5, 1.5, K).astype(np.float32), 1e-6, [rng.standard_normal(N), None])
+    gated = ggml.Fused(swiglu=True, residual=residual.output(0))
+    outputs = [
+        *ggml.linears(x.output(0), weights, library),
+        *ggml.linears(x.output(0), weights, library, fused=normed),
+        *ggml.linears(x.output(0), weights, library, fused=gated),
+    ]
+    return core.compile_model(ov.Model(outputs, [x, residual]), "CPU"), normed
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q4_0])
+def test_a_node_norms_its_input_adds_biases_gates_and_adds_a_residual_as_llama_cpp_does(library, kind):
+    """What a node computes around its products (ggml.Fused) is what the plugin's own nodes
+    computed around them, within float rounding, and a row's result is still its 1-row pass's, bit
+    for bit, at any width: the op gives each row the same work."""
+    model, normed = fused_model(library, kind)
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((9, K)).astype(np.float32) * np.geomspace(1e-2, 1e2, 9)[:, None]
+    residual = rng.standard_normal((9, N)).astype(np.float32)
+    first, second, normed_first, normed_second, gated = (model({0: x, 1: residual})[i] for i in range(5))
+    gamma, bias = normed.gamma, normed.biases[0]
+    rms = np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + normed.eps)
+    products = model({0: (x / rms * gamma).astype(np.float32), 1: residual})
+    np.testing.assert_allclose(normed_first, products[0] + bias, rtol=0, atol=1e-4 * np.abs(products[0]).max())
+    np.testing.assert_allclose(normed_second, products[1], rtol=0, atol=1e-4 * np.abs(products[1]).max())
+    expected = first / (1 + np.exp(-first.astype(np.float64))) * second + residual
+    np.testing.assert_allclose(gated, expected, rtol=1e-5, atol=1e-6)
+    alone = [np.concatenate([model({0: x[i : i + 1], 1: residual[i : i + 1]})[j] for i in range(9)]) for j in range(5)]
+    for width in (2, 5, 9):
+        for j in range(5):
+            together = np.concatenate(
+                [model({0: x[i : i + width], 1: residual[i : i + width]})[j] for i in range(0, 9, width)]
+            )
+            np.testing.assert_array_equal(together, alone[j], err_msg=f"output {j}, width {width}")
+
+
 def test_the_choice_keeps_the_candidate_whose_median_time_is_lowest(library):
     """The op's own rule, fed timings: a median, so one slow call (a page fault, the other core
     busy) does not lose a candidate its place."""
@@ -380,9 +424,14 @@ def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_targ
     ggml.register(core, kernels.library(default_cache_dir(), print))
     graph = core.read_model(gguf_target / GGML_XML)
     ours = [n for n in graph.get_ordered_ops() if n.get_type_name() == ggml.GGML_LINEAR]
-    assert sum(len(n.outputs()) for n in ours) == layers > 0
+    assert sum(len(n.get_attributes()["ggml_types"]) for n in ours) == layers > 0
     # (a layer's q, k and v are one node, its gate and up another, its o, its down and the head)
     assert len(ours) == 4 * 2 + 1
+    # and the nodes norm their inputs, add the biases and residuals, and gate the MLP themselves
+    others = {n.get_type_name() for n in graph.get_ordered_ops()}
+    assert not others & {"Swish", "Power", "ReduceMean"}
+    assert sum(n.get_attributes()["norm"] for n in ours) == 2 * 2 + 1
+    assert sum(n.get_attributes()["residual"] for n in ours) == 2 * 2
 
 
 def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_would(gguf_target, library):
@@ -618,8 +667,10 @@ def test_the_screen_times_a_quarter_of_the_blocks_linear_layers_and_the_head_eac
     assert len(whole) == (4 if on_ggml else 7) * 2 + 1  # (2 blocks: the tiny model's)
     (block, reads), (head, once) = screen.parts(core.read_model(xml), 2, flags)
     assert (reads, once) == (2.0, 1.0)  # (a quarter of 2 blocks is 1)
-    assert len(block.inputs) == len(whole) // 2 and len(head.inputs) == 1
-    assert sum(len(n.outputs()) for n in whole[: len(whole) // 2]) == len(block.outputs) == 7
+    residuals = 2 if on_ggml else 0  # (on the op, a block's o and down nodes add their residual input)
+    assert len(block.inputs) == len(whole) // 2 + residuals and len(head.inputs) == 1
+    # (on the op, the gate and up node gives one output: their SwiGLU)
+    assert sum(len(n.outputs()) for n in whole[: len(whole) // 2]) == len(block.outputs) == (6 if on_ggml else 7)
     for part in (block, head):
         x = {i: np.ones([1, 1, p.get_partial_shape()[-1].get_length()], np.float32) for i, p in enumerate(part.inputs)}
         out = core.compile_model(part, "CPU", EXACT_CONFIG)(x)

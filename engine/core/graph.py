@@ -139,6 +139,9 @@ def _ggml_head_rows(head: ov.Node, ids: np.ndarray, library: Path) -> tuple[ov.N
     if grouped:
         rows = ggml.deinterleaved(rows, kind)
         ids = ids[: len(ids) - len(ids) % INTERLEAVE]
-    (output,) = ggml.linears(head.input_value(0), [(rows[ids], kind)], library, grouped, head.input_value(1))
+    kept = rows[ids]
+    if grouped:
+        kept = ggml.interleaved(kept, kind, library)
+    output = ggml.rebuilt(head, kept, kind, grouped, library)
     head.output(0).replace(output)
     return output.get_node(), ids

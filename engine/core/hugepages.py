@@ -78,7 +78,8 @@ def move_weights(model: ov.Model) -> mmap.mmap | None:
     constants: dict[str, ov.Node] = {}
     for node in model.get_ordered_ops():
         if node.get_type_name() == OP:
-            for port in list(node.inputs())[FIRST_WEIGHT:]:
+            weights = len(node.get_attributes()["ggml_types"])
+            for port in list(node.inputs())[FIRST_WEIGHT : FIRST_WEIGHT + weights]:
                 constant = port.get_source_output().get_node()
                 constants[constant.get_friendly_name()] = constant
                 ports.setdefault(constant.get_friendly_name(), []).append(port)

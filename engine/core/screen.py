@@ -57,15 +57,18 @@ def _is_activation(value: ov.Output) -> bool:
 
 
 def reading(nodes: list[ov.Node], flags: int | None) -> ov.Model:
-    """A model of ``nodes`` (linear layers of another), each reading an input of its own; the
-    op's ``flags`` a constant (None: on the plugin's kernels, no flags)."""
+    """A model of ``nodes`` (linear layers of another), each reading inputs of its own (the op's
+    residual too); the op's ``flags`` a constant (None: on the plugin's kernels, no flags)."""
     inputs = []
     for node in nodes:
-        x = ops.parameter(node.get_input_partial_shape(0), ov.Type.f32)
-        node.input(0).replace_source_output(x.output(0))
+        ports = [node.input(0)]
         if flags is not None:
             node.input(1).replace_source_output(ops.constant(np.array([flags], dtype=np.int64)).output(0))
-        inputs.append(x)
+            ports += [p for p in node.inputs()[2:] if p.get_source_output().get_node().get_type_name() != "Constant"]
+        for port in ports:
+            x = ops.parameter(port.get_partial_shape(), ov.Type.f32)
+            port.replace_source_output(x.output(0))
+            inputs.append(x)
     return ov.Model([out for node in nodes for out in node.outputs()], inputs)
 
 

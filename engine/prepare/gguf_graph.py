@@ -7,9 +7,10 @@ weights. One builder lays out both graphs of a prepared model; only the factory 
 layers and head differs (a llama file's q and k rows put back in the model's order first; the
 token embedding's rows as the head where the file has no ``output.weight``):
 
-- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml3.xml``): GgmlLinear nodes on the file's
-  own rows, grouped and interleaved exactly as :func:`engine.prepare.ggml_ir.rewrite` makes them
-  from an exported IR (a layer's q, k and v in one node, its gate and up in another);
+- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml4.xml``): GgmlLinear nodes on the file's
+  own rows, grouped and interleaved as :func:`engine.prepare.ggml_ir.rewrite` makes them from an
+  exported IR (a layer's q, k and v in one node, its gate and up in another), each node norming
+  its input and adding its biases, SwiGLU and residual itself (:class:`engine.ggml.Fused`);
 - on the plugin's (:class:`OnPlugin`, ``openvino_model.xml``): a MatMul per matrix on its blocks'
   codes, converted, minus the zero point, times the scale in f16 (gguf_blocks.subgraph: the
   compressed-weight pattern the plugin fuses into its kernels), named as the export names it.
@@ -279,8 +280,19 @@ class Linears:
         self.parameters: list[ov.Node] = []
         self.done: Counter[str] = Counter()
 
-    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
+    def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
         raise NotImplementedError
+
+
+def rms_norm(x: ov.Output, gamma: np.ndarray, eps: float, rank: int = 3) -> ov.Output:
+    """x / sqrt(mean(x²) + eps) * gamma, in the export's ops (the plugin fuses them into its RMS
+    node)."""
+    ones = [1] * rank
+    square = ops.power(x, _constant(np.full(ones, 2.0)))
+    mean = ops.reduce_mean(square, _constant([-1], np.int64), keep_dims=True)
+    root = ops.sqrt(ops.add(mean, _constant(np.full(ones, eps))))
+    normed = ops.multiply(x, ops.divide(_constant(np.ones(ones)), root))
+    return ops.multiply(_constant(gamma.reshape([*ones[:-1], -1])), normed).output(0)
 
 
 class OnGgml(Linears):
@@ -293,8 +305,10 @@ class OnGgml(Linears):
         self.gemm = ggml.gemm_input()
         self.parameters = [self.gemm]
 
-    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
-        outputs = ggml.linears(x, [(w.rows, w.kind) for w in weights], self.library, gemm=self.gemm.output(0))
+    def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
+        outputs = ggml.linears(
+            x, [(w.rows, w.kind) for w in weights], self.library, gemm=self.gemm.output(0), fused=fused
+        )
         interleaved = outputs[0].get_node().get_attributes()["interleaved"]
         for weight, grouped in zip(weights, interleaved):
             self.done[Q(weight.kind).name + (" interleaved" if grouped else "")] += 1
@@ -308,8 +322,19 @@ class OnPlugin(Linears):
     no blocks here (f32 for F32 rows). Each is named as the export names it, so
     :func:`engine.prepare.ggml_ir.rewrite` reads this graph as it reads an exported one."""
 
-    def __call__(self, x: ov.Output, weights: list[Weight]) -> list[ov.Output]:
-        return [self.matmul(x, weight) for weight in weights]
+    def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
+        """The products with what ``fused`` asks around them, in the plugin's own nodes."""
+        if fused.gamma is not None:
+            x = rms_norm(x, fused.gamma, fused.eps)
+        outputs = [self.matmul(x, weight) for weight in weights]
+        for i, bias in enumerate(fused.biases):
+            if bias is not None:
+                outputs[i] = ops.add(outputs[i], _constant(bias)).output(0)
+        if fused.swiglu:
+            outputs = [ops.multiply(ops.swish(outputs[0]), outputs[1]).output(0)]
+        if fused.residual is not None:
+            outputs[0] = ops.add(fused.residual, outputs[0]).output(0)
+        return outputs
 
     def matmul(self, x: ov.Output, weight: Weight) -> ov.Output:
         shape = [weight.rows.shape[0], _columns(weight.rows, weight.kind)]
@@ -382,28 +407,28 @@ class _Builder:
 
     # -- blocks
 
-    def rms_norm(self, x: ov.Output, weight: str, rank: int = 3) -> ov.Output:
-        """x / sqrt(mean(x²) + eps) * weight, in the export's ops (the plugin fuses them into its RMS
-        node)."""
-        ones = [1] * rank
-        square = ops.power(x, _constant(np.full(ones, 2.0)))
-        mean = ops.reduce_mean(square, _constant([-1], np.int64), keep_dims=True)
-        root = ops.sqrt(ops.add(mean, _constant(np.full(ones, self.shape.eps))))
-        normed = ops.multiply(x, ops.divide(_constant(np.ones(ones)), root))
-        gamma = _values(self.tensor(weight))
-        return ops.multiply(_constant(gamma.reshape([*ones[:-1], -1])), normed).output(0)
-
-    def linears(self, x: ov.Output, names: list[str]) -> list[ov.Output]:
-        """``x`` times each named matrix (by the graph's factory), each output plus its bias where
-        the file has one (a llama file's q and k biases put back in the model's order too)."""
+    def linears(
+        self,
+        x: ov.Output,
+        names: list[str],
+        norm: str | None = None,
+        swiglu: bool = False,
+        residual: ov.Output | None = None,
+    ) -> list[ov.Output]:
+        """``x`` (RMS-normed by the ``norm`` weight first) times each named matrix, by the graph's
+        factory: each product plus its bias where the file has one (a llama file's q and k biases
+        put back in the model's order too); with ``swiglu``, the one output silu(first) * second;
+        plus ``residual``."""
         weights, orders = zip(*(self.weight(name) for name in names))
-        outputs = self.multiply(x, list(weights))
+        biases = [
+            None if f"{name}.bias" not in self.tensors else _values(self.tensors[f"{name}.bias"]) for name in names
+        ]
+        biases = [b if b is None or order is None else b[order] for b, order in zip(biases, orders)]
+        gamma = _values(self.tensor(norm)) if norm is not None else None
+        fused = ggml.Fused(gamma, self.shape.eps if norm is not None else 0.0, biases, swiglu, residual)
+        outputs = self.multiply(x, list(weights), fused)
         for name in names:
             _drop(self.tensor(f"{name}.weight"))
-        for i, (name, order) in enumerate(zip(names, orders)):
-            if f"{name}.bias" in self.tensors:
-                bias = _values(self.tensors[f"{name}.bias"])
-                outputs[i] = ops.add(outputs[i], _constant(bias if order is None else bias[order])).output(0)
         return outputs
 
     def heads(self, x: ov.Output, count: int, norm: str | None) -> ov.Output:
@@ -411,7 +436,7 @@ class _Builder:
         RMS-normed first)."""
         split = ops.reshape(x, _constant([0, 0, count, self.shape.head_dim], np.int64), special_zero=True).output(0)
         if norm is not None and f"{norm}.weight" in self.tensors:
-            split = self.rms_norm(split, f"{norm}.weight", rank=4)
+            split = rms_norm(split, _values(self.tensors[f"{norm}.weight"]), self.shape.eps, rank=4)
         return ops.transpose(split, _constant([0, 2, 1, 3], np.int32)).output(0)
 
     def rope(self, x: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
@@ -508,7 +533,7 @@ class _Builder:
         bias = self.mask(caches[0][0][0])
         for i, ((past_k, key_variable), (past_v, value_variable)) in enumerate(caches):
             block = f"blk.{i}"
-            q, k, v = self.linears(self.rms_norm(x, f"{block}.attn_norm.weight"), [f"{block}.{n}" for n in PROJECTIONS])
+            q, k, v = self.linears(x, [f"{block}.{n}" for n in PROJECTIONS], norm=f"{block}.attn_norm.weight")
             q = self.rope(self.heads(q, shape.heads, f"{block}.attn_q_norm"), cos, sin)
             k = self.rope(self.heads(k, shape.kv_heads, f"{block}.attn_k_norm"), cos, sin)
             keys = self.extend(past_k, k, key_variable)
@@ -516,16 +541,12 @@ class _Builder:
             attended = ops.scaled_dot_product_attention(q, keys, values, bias, scale, causal=False)
             attended = ops.transpose(attended, _constant([0, 2, 1, 3], np.int32))
             merged = ops.reshape(attended, _constant([0, 0, shape.heads * shape.head_dim], np.int64), True)
-            (out,) = self.linears(merged.output(0), [f"{block}.attn_output"])
-            x = ops.add(x, out).output(0)
-            gate, up = self.linears(
-                self.rms_norm(x, f"{block}.ffn_norm.weight"), [f"{block}.ffn_gate", f"{block}.ffn_up"]
-            )
-            (down,) = self.linears(ops.multiply(ops.swish(gate), up).output(0), [f"{block}.ffn_down"])
-            x = ops.add(x, down).output(0)
+            (x,) = self.linears(merged.output(0), [f"{block}.attn_output"], residual=x)
+            mlp = [f"{block}.ffn_gate", f"{block}.ffn_up"]
+            (gated,) = self.linears(x, mlp, norm=f"{block}.ffn_norm.weight", swiglu=True)
+            (x,) = self.linears(gated, [f"{block}.ffn_down"], residual=x)
 
-        hidden = self.rms_norm(x, "output_norm.weight")
-        (logits,) = self.linears(hidden, ["token_embd" if shape.tied else "output"])
+        (logits,) = self.linears(x, ["token_embd" if shape.tied else "output"], norm="output_norm.weight")
         result = ops.result(logits)
         result.output(0).get_tensor().set_names({"logits"})
         parameters = [*p.values(), *self.multiply.parameters]

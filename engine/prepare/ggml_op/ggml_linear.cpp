@@ -11,7 +11,14 @@
 // Attributes, one entry per weight: ggml_types, the rows' ggml type (Q4_K, Q6_K, Q8_0, Q5_0, F16,
 // ...); interleaved, 1 where the rows are interleaved 8 at a time as ggml's CPU "repack" buffer
 // lays them out for its gemm and gemv (specchat_interleave in blocks.cpp writes them), 0 where they
-// are as the file stores them. Outputs: f32 [..., N_i].
+// are as the file stores them; biased, 1 where the weight's product gets a bias (none: no bias).
+// Outputs: f32 [..., N_i].
+//
+// What the node computes around its products (fusion.h), each optional: norm (with eps), x
+// RMS-normed and times gamma first; biased, a bias added to those products; swiglu, the one
+// output silu(y_1) * y_2 (the two weights' rows alike); residual, an input added to the (first)
+// output. Their inputs follow the weights': gamma f32 [K], each bias f32 [N_i], the residual f32
+// shaped as the output.
 //
 // The op's parts: the kernels per weight type (weight_types.h) with their families
 // (row_kernels.h, amx_tiles.h), the activations (activations.h), a weight's columns through its
@@ -24,6 +31,7 @@
 
 #include "activations.h"
 #include "amx_tiles.h"
+#include "fusion.h"
 #include "ggml.h"
 #include "openvino/core/extension.hpp"
 #include "openvino/core/op_extension.hpp"
@@ -51,11 +59,18 @@ public:
     }
 
     void validate_and_infer_types() override {
-        const size_t weights = get_input_size() - FIRST_WEIGHT;
-        NODE_VALIDATION_CHECK(
-            this,
-            get_input_size() > FIRST_WEIGHT && m_types.size() == weights && m_interleaved.size() == weights,
-            "one ggml type and one interleaved flag per weight");
+        const size_t weights = m_types.size();
+        NODE_VALIDATION_CHECK(this,
+                              weights > 0 && m_interleaved.size() == weights &&
+                                  (m_biased.empty() || m_biased.size() == weights),
+                              "one ggml type, one interleaved flag and (where any is) one bias flag per weight");
+        NODE_VALIDATION_CHECK(this,
+                              get_input_size() == FIRST_WEIGHT + weights + extra_inputs(),
+                              "x, the flags, the weights, then gamma, the biases and the residual where the node "
+                              "takes them");
+        NODE_VALIDATION_CHECK(this,
+                              !m_swiglu || weights == 2,
+                              "a SwiGLU node has two weights, the gate's and the up's");
         NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
         // (declared i64; the CPU plugin runs its graphs' i64 as i32)
         const auto flag = get_input_element_type(1);
@@ -63,19 +78,41 @@ public:
                               (flag == ov::element::i64 || flag == ov::element::i32) &&
                                   get_input_partial_shape(1).compatible({1}),
                               "the flags must be i64 [1]");
+        for (size_t i = FIRST_WEIGHT + weights; i < get_input_size(); ++i)
+            NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::f32, "gamma, biases and residual are f32");
         const auto& x = get_input_partial_shape(0);
+        std::vector<ov::PartialShape> shapes;
         for (size_t i = 0; i < weights; ++i)
-            set_output_type(i, ov::element::f32, weight_output(i, x));
+            shapes.push_back(weight_output(i, x));
+        if (m_swiglu)
+            NODE_VALIDATION_CHECK(this, shapes[0].compatible(shapes[1]), "SwiGLU's gate and up have as many rows");
+        for (size_t i = 0; i < (m_swiglu ? 1 : weights); ++i)
+            set_output_type(i, ov::element::f32, shapes[i]);
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
-        return std::make_shared<GgmlLinear>(args, m_types, m_interleaved);
+        auto node = std::make_shared<GgmlLinear>();
+        node->set_arguments(args);
+        node->m_types = m_types;
+        node->m_interleaved = m_interleaved;
+        node->m_biased = m_biased;
+        node->m_norm = m_norm;
+        node->m_eps = m_eps;
+        node->m_swiglu = m_swiglu;
+        node->m_residual = m_residual;
+        node->constructor_validate_and_infer_types();
+        return node;
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("ggml_types", m_types);
         visitor.on_attribute("interleaved", m_interleaved);
+        visitor.on_attribute("biased", m_biased);
+        visitor.on_attribute("norm", m_norm);
+        visitor.on_attribute("eps", m_eps);
+        visitor.on_attribute("swiglu", m_swiglu);
+        visitor.on_attribute("residual", m_residual);
         return true;
     }
 
@@ -92,6 +129,13 @@ public:
                                                                               : inputs[1].data<const int32_t>()[0];
         const bool gemm = (flags & GEMM) != 0, fine = !gemm && (flags & FINE) != 0;
         thread_local std::vector<Quantized> quantized;  // (scratch kept per calling thread)
+        thread_local std::vector<float> normed, halves;  // x RMS-normed; SwiGLU's two products
+        const float* xs = x.data<const float>();
+        if (m_norm) {
+            normed.resize(static_cast<size_t>(m * k));
+            rms_norm(xs, inputs[gamma_input()].data<const float>(), m_eps, m, k, normed.data());
+            xs = normed.data();
+        }
         size_t kinds = 0;
         std::vector<Product> products(m_types.size());
         std::vector<size_t> inputs_of(m_types.size());  // which of `quantized` each weight reads
@@ -100,14 +144,15 @@ public:
         const TiledActivations* tiles = nullptr;
         for (size_t i = 0; i < m_types.size(); ++i) {
             Product& p = products[i];
-            if (!bind(i, inputs, outputs, x_shape, gemm, m, p))
+            if (!bind(i, inputs, gemm, m, p))
                 return false;
+            p.y = m_swiglu ? halves_of(halves, m, p.n, i) : output(outputs[i], x_shape, p.n);
             if (tiled && (p.il == nullptr || p.il->deinterleave != nullptr) &&
                 ggml_get_type_traits(p.type)->to_float != nullptr) {
-                p.tiles = tiles != nullptr ? tiles : (tiles = tile(x.data<const float>(), m, k));
+                p.tiles = tiles != nullptr ? tiles : (tiles = tile(xs, m, k));
                 continue;
             }
-            inputs_of[i] = activations(p, fine && p.takes_fine(), x.data<const float>(), m, k, quantized, kinds);
+            inputs_of[i] = activations(p, fine && p.takes_fine(), xs, m, k, quantized, kinds);
         }
         // A decode or verify pass takes the candidate chosen for its shape where it runs (tuning.h);
         // a prompt pass, or a wider one, the op's own kernels and the static split.
@@ -127,14 +172,60 @@ public:
         if (pick.timed)
             tuning::record(key, pick.candidate,
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        finish(products, inputs, outputs, x_shape, m);
         return true;
     }
 
 private:
+    // The inputs after the weights: gamma, the biases, the residual, where the node takes them.
+    size_t extra_inputs() const {
+        size_t biases = 0;
+        for (const auto b : m_biased)
+            biases += b != 0;
+        return (m_norm != 0) + biases + (m_residual != 0);
+    }
+    size_t gamma_input() const {
+        return FIRST_WEIGHT + m_types.size();
+    }
+    size_t residual_input() const {
+        return get_input_size() - 1;
+    }
+
+    // Output `out` shaped as x with n columns; its data.
+    static float* output(ov::Tensor& out, const ov::Shape& x_shape, int64_t n) {
+        auto y_shape = x_shape;
+        y_shape.back() = static_cast<size_t>(n);
+        if (out.get_shape() != y_shape)
+            out.set_shape(y_shape);
+        return out.data<float>();
+    }
+
+    // Where SwiGLU's product i (0: the gate's, 1: the up's) of [m, n] goes.
+    static float* halves_of(std::vector<float>& halves, int64_t m, int64_t n, size_t i) {
+        if (halves.size() < static_cast<size_t>(2 * m * n))
+            halves.resize(static_cast<size_t>(2 * m * n));
+        return halves.data() + i * static_cast<size_t>(m * n);
+    }
+
+    // The products' biases, SwiGLU and the residual (fusion.h), in that order.
+    void finish(const std::vector<Product>& products, const ov::TensorVector& inputs, ov::TensorVector& outputs,
+                const ov::Shape& x_shape, int64_t m) const {
+        size_t next = gamma_input() + (m_norm != 0);
+        for (size_t i = 0; i < m_biased.size(); ++i)
+            if (m_biased[i])
+                add_bias(products[i].y, inputs[next++].data<const float>(), m, products[i].n);
+        float* y = products[0].y;
+        if (m_swiglu) {
+            y = output(outputs[0], x_shape, products[0].n);
+            swiglu(products[0].y, products[1].y, m, products[0].n, y);
+        }
+        if (m_residual)
+            add_residual(y, inputs[residual_input()].data<const float>(), m * products[0].n);
+    }
+
     // Weight i's part of a pass: its kernels (its type's row of the table, for the pass's flags
-    // and rows), its rows and its output; false where ggml has no kernels for its type here.
-    bool bind(size_t i, const ov::TensorVector& inputs, ov::TensorVector& outputs, const ov::Shape& x_shape, bool gemm,
-              int64_t m, Product& p) const {
+    // and rows) and its rows; false where ggml has no kernels for its type here.
+    bool bind(size_t i, const ov::TensorVector& inputs, bool gemm, int64_t m, Product& p) const {
         const WeightType* entry = weight_type(m_types[i]);
         if (entry == nullptr || (m_interleaved[i] && entry->interleaved() == nullptr))
             return false;
@@ -148,11 +239,6 @@ private:
         p.w = w.data<const uint8_t>();
         p.w_row = w.get_shape()[1];
         p.n = static_cast<int64_t>(w.get_shape()[0]);
-        auto y_shape = x_shape;
-        y_shape.back() = static_cast<size_t>(p.n);
-        if (outputs[i].get_shape() != y_shape)
-            outputs[i].set_shape(y_shape);
-        p.y = outputs[i].data<float>();
         return true;
     }
 
@@ -227,6 +313,11 @@ private:
 
     std::vector<int64_t> m_types;
     std::vector<int64_t> m_interleaved;
+    std::vector<int64_t> m_biased;  // (empty: no bias)
+    int64_t m_norm = 0;
+    float m_eps = 0.0f;
+    int64_t m_swiglu = 0;
+    int64_t m_residual = 0;
 };
 
 }  // namespace specchat
