@@ -14,7 +14,7 @@ from engine import ggml, manifest
 from engine.core.budget import GIB
 from engine.core.memory import resident_bytes
 from engine.core.requests import Request
-from engine.core.runtime import TARGET_CONFIG, Runtime
+from engine.core.runtime import IN_14_BITS, TARGET_CONFIG, Runtime
 from engine.core.service import Engine
 from engine.core.settings import Settings
 from engine.prepare import ggml_ir
@@ -173,16 +173,16 @@ def test_on_ggml_kernels_verify_rows_equal_single_steps_bit_for_bit(ggml_engine)
     np.testing.assert_array_equal(*verify_rows_and_single_steps(ggml_engine))
 
 
-def test_with_8_bit_activations_too_verify_rows_equal_single_steps_bit_for_bit(ggml_engine, real_pair, library):
-    """So the op's own kernels in either width of activations: the engine runs the finest the CPU
-    has (14 bits where it can), a raw runtime here 8, as llama.cpp's, so greedy speculative output
-    is exact in both for the same reason."""
+def test_with_14_bit_activations_too_verify_rows_equal_single_steps_bit_for_bit(ggml_engine, real_pair, library):
+    """So the op's own kernels in either width of activations: the engine runs the default, 8 bits
+    as llama.cpp's, a raw runtime here 14 where the CPU has AVX-512 VNNI, so greedy speculative
+    output is exact in both for the same reason."""
     if not ggml.fine_activations(library):
-        pytest.skip("without AVX-512 VNNI the engine runs 8 bits already")
-    assert "14-bit activations" in ggml_engine.models["target"]
-    coarse = Runtime(real_pair[0], config=TARGET_CONFIG, first_token_alone=True, kernels=library, activations=8)
-    assert "14-bit" not in coarse.label
-    np.testing.assert_array_equal(*verify_rows_and_single_steps(ggml_engine, coarse))
+        pytest.skip("14-bit activations take AVX-512 VNNI")
+    assert "14-bit activations" not in ggml_engine.models["target"]
+    fine = Runtime(real_pair[0], config=TARGET_CONFIG, first_token_alone=True, kernels=library, activations=14)
+    assert fine.label.endswith(IN_14_BITS)
+    np.testing.assert_array_equal(*verify_rows_and_single_steps(ggml_engine, fine))
 
 
 def test_on_ggml_kernels_greedy_speculative_equals_autoregressive(ggml_engine, chats):
