@@ -129,7 +129,7 @@ def test_every_candidate_gives_each_row_the_bits_of_the_one_row_result_at_any_wi
         ggml.force(library, None)
 
 
-def fused_model(library: Path, kind: Q) -> ov.CompiledModel:
+def fused_model(library: Path, kind: Q) -> tuple[ov.CompiledModel, ggml.Fused]:
     """Two weights of ``kind`` read by three nodes: plain; RMS-normed with a bias on the first;
     SwiGLU plus a residual (a second input)."""
     core = ov.Core()

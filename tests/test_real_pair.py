@@ -179,7 +179,7 @@ def test_with_14_bit_activations_too_verify_rows_equal_single_steps_bit_for_bit(
     output is exact in both for the same reason."""
     if not ggml.fine_activations(library):
         pytest.skip("14-bit activations take AVX-512 VNNI")
-    assert "14-bit activations" not in ggml_engine.models["target"]
+    assert IN_14_BITS not in ggml_engine.models["target"]
     fine = Runtime(real_pair[0], config=TARGET_CONFIG, first_token_alone=True, kernels=library, activations=14)
     assert fine.label.endswith(IN_14_BITS)
     np.testing.assert_array_equal(*verify_rows_and_single_steps(ggml_engine, fine))
