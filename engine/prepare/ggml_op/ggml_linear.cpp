@@ -26,7 +26,6 @@
 #include <chrono>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "activations.h"
@@ -49,14 +48,7 @@ class GgmlLinear : public ov::op::Op {
 public:
     OPENVINO_OP("GgmlLinear", "specchat");
 
-    GgmlLinear() = default;
-
-    GgmlLinear(const ov::OutputVector& inputs, std::vector<int64_t> types, std::vector<int64_t> interleaved)
-        : Op(inputs),
-          m_types(std::move(types)),
-          m_interleaved(std::move(interleaved)) {
-        constructor_validate_and_infer_types();
-    }
+    GgmlLinear() = default;  // (built from its attributes: an IR's, or a clone's)
 
     void validate_and_infer_types() override {
         const size_t weights = m_types.size();
