@@ -57,8 +57,10 @@ ACTIVATIONS = (8, 14)
 CANDIDATES = (
     "own kernels, static split",
     "ggml's kernels, static split",
+    "own kernels in 256 bits, static split",
     "own kernels, stealing split",
     "ggml's kernels, stealing split",
+    "own kernels in 256 bits, stealing split",
 )
 log = logging.getLogger("specchat.kernels")
 

@@ -151,13 +151,15 @@ public:
         const bool tuned = !gemm && m <= tuning::WIDEST_TUNED;
         const std::string key = tuned ? shape_key(products, m, k) : std::string();
         const tuning::Pick pick = tuned ? tuning::pick(key) : tuning::Pick{0, false};
-        const bool own = tuning::kernel_of(pick.candidate) == tuning::Kernel::Own;
+        const tuning::Kernel kernel = tuning::kernel_of(pick.candidate);
         for (size_t i = 0; i < products.size(); ++i) {  // (once the scratch stopped growing)
             Product& p = products[i];
             if (p.tiles != nullptr)
                 continue;
             p.x = &quantized[inputs_of[i]];
-            p.own = p.has_rows_kernel() && (own || p.x->fine);  // (ggml's kernels take no 14-bit activations)
+            // (ggml's kernels take no 14-bit activations)
+            p.own = p.has_rows_kernel() && (kernel != tuning::Kernel::Ggml || p.x->fine);
+            p.narrow = kernel == tuning::Kernel::Narrow;
         }
         const auto start = std::chrono::steady_clock::now();
         multiply(products, m, k, tuning::split_of(pick.candidate));

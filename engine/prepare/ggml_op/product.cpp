@@ -28,7 +28,10 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
     // ahead, which shortened a plain step where memory ran slow: docs/benchmarks.md, "The op's
     // fixed constants")
     if (!p.gemm && p.own) {
-        const RowsKernel rows = p.x->fine ? p.own_kernels->fine_rows : p.own_kernels->rows;
+        const OwnKernels& own = *p.own_kernels;
+        const RowsKernel rows = p.x->fine                                ? own.fine_rows
+                                : p.narrow && own.narrow_rows != nullptr ? own.narrow_rows
+                                                                         : own.rows;
         const uint8_t* end = p.w + last * p.w_row;
         for (int64_t col = first; col < last; col += p.unit())
             rows(p.w + col * p.w_row, k, end, xq + r0 * p.x->row, p.x->row, r1 - r0, p.y + r0 * p.n + col, p.n);

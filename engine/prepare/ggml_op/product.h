@@ -31,6 +31,7 @@ struct Product {
     const Interleaved* il;          // null: rows as stored (vec_dot)
     bool gemm;                      // interleaved rows by ggml's gemm
     bool own;                       // rows by the op's own multi-row kernel (has_rows_kernel), else ggml's row by row
+    bool narrow;                    // the own kernel in 256 bits where the table has it (narrow_rows)
     bool by_ggml;                   // rows (put back) as stored by ggml's own mul_mat
     const TiledActivations* tiles;  // null, or the activations in bf16 tiles: p by the AMX tiles
     const uint8_t* w;

@@ -1,6 +1,16 @@
 // The op's own multi-row kernels (row_kernels.h), on AVX2 and up: AVX2's byte multiply-adds, or
-// VNNI's where the CPU has them, 512-bit with AVX-512 VNNI (VNNI_512).
+// VNNI's where the CPU has them, 512-bit with AVX-512 VNNI (ROWS_512). Built a second time where
+// the CPU has that (SPECCHAT_NARROW, into specchat::narrow): on 256-bit registers alone.
 #include "row_kernels.h"
+
+#if defined(VNNI_512) && !defined(SPECCHAT_NARROW)
+#define ROWS_512 1
+#endif
+#ifdef SPECCHAT_NARROW
+#define ROWS_NAMESPACE specchat::narrow
+#else
+#define ROWS_NAMESPACE specchat
+#endif
 
 #if defined(__AVX2__)
 #include <algorithm>
@@ -12,7 +22,7 @@
 #include "activations.h"
 #include "blocks.h"
 
-namespace specchat {
+namespace ROWS_NAMESPACE {
 
 namespace {
 
@@ -80,7 +90,7 @@ inline float sum8(__m256 x) {
     return _mm_cvtss_f32(r);
 }
 
-#ifdef VNNI_512
+#ifdef ROWS_512
 // Activation rows whose Q4_K sums are kept in registers at once: a pass's rows go four at a
 // time, and a last row left alone joins the tile before it, so a 5-row verify unpacks each block
 // once rather than for a tile of 4 and again for 1 (docs/benchmarks.md, "The GGUF's own
@@ -179,7 +189,7 @@ inline __m256i min_sums(const __m256i* mins, const block_q8_K* a) {
     return imin;
 }
 
-#ifdef VNNI_512
+#ifdef ROWS_512
 inline __m256i min_sums(const __m256i* mins, const block_q14* a) {
     __m256i low = _mm256_setzero_si256(), high = low;
     for (int t = 0; t < 4; ++t) {
@@ -195,7 +205,7 @@ inline __m256i sums_by_scales(const block_q8_K* a, __m256i scales16) {
     return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums)), scales16);
 }
 
-#ifdef VNNI_512
+#ifdef ROWS_512
 inline __m256i sums_by_scales(const block_q14* a, __m256i scales16) {
     const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->sums16_low));
     const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->sums16_high));
@@ -253,7 +263,7 @@ void gemv_rows_q4_K(const uint8_t* weights, int64_t k, const void* end, const ui
             _mm256_storeu_ps(acc + 8, min_sum);
         };
         const auto row = [&](int64_t r) { return reinterpret_cast<const A*>(x + r * x_row) + b; };
-#ifdef VNNI_512
+#ifdef ROWS_512
         for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += tile) {
             tile = rows - r0 == ROW_TILE + 1 ? ROW_TILE + 1 : std::min<int64_t>(ROW_TILE, rows - r0);
             const A* a[ROW_TILE + 1];
@@ -344,7 +354,7 @@ void gemv_rows_q4_0(const uint8_t* weights, int64_t k, const void* end, const ui
         const block_q4_0x8& g = w[b];
         prefetch(w + b + AHEAD * 8, end);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g.d)));
-#ifdef VNNI_512
+#ifdef ROWS_512
         // v[k][h]: the values k*8..k*8+7 (h = 0) and 16+k*8.. (h = 1) of every column, 8 bytes each
         const __m512i lut = _mm512_broadcast_i32x4(signed4), m15 = _mm512_set1_epi8(15);
         __m512i v[2][2], wsum = _mm512_setzero_si512();
@@ -422,7 +432,7 @@ void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const
         }
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
-#ifndef VNNI_512
+#ifndef ROWS_512
         __m256i scale16[8];
         for (int v = 0; v < 8; ++v)
             scale16[v] = twice16(scale[v]);
@@ -437,7 +447,7 @@ void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const
 #endif
         for (int64_t r = 0; r < rows; ++r) {
             const auto* a = reinterpret_cast<const A*>(x + r * x_row) + b;
-#ifdef VNNI_512
+#ifdef ROWS_512
             __m512i wide = _mm512_setzero_si512();
             if constexpr (std::is_same_v<A, block_q14>) {  // (the high bytes' products where the block is fine)
                 __m512i high = _mm512_setzero_si512();
@@ -480,10 +490,10 @@ void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const
     template void kernel(const uint8_t*, int64_t, const void*, const uint8_t*, size_t, int64_t, float*, int64_t)
 ROWS_KERNEL(gemv_rows_q4_K<block_q8_K>);
 ROWS_KERNEL(vec_dot_rows_q6_K<block_q8_K>);
-#ifdef VNNI_512
+#ifdef ROWS_512
 ROWS_KERNEL(gemv_rows_q4_K<block_q14>);
 ROWS_KERNEL(vec_dot_rows_q6_K<block_q14>);
 #endif
 
-}  // namespace specchat
+}  // namespace ROWS_NAMESPACE
 #endif

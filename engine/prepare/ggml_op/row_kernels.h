@@ -26,6 +26,20 @@ void gemv_rows_q4_0(const uint8_t* w, int64_t k, const void* end, const uint8_t*
 template <typename A>
 void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
                        float* y, int64_t y_row);
+#ifdef VNNI_512
+// The same kernels by block_q8_K on 256-bit registers alone (row_kernels.cpp built again): where
+// the CPU has both widths, a candidate the op times against the 512-bit ones (tuning.h).
+namespace narrow {
+template <typename A>
+void gemv_rows_q4_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+                    float* y, int64_t y_row);
+void gemv_rows_q4_0(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+                    float* y, int64_t y_row);
+template <typename A>
+void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+                       float* y, int64_t y_row);
+}  // namespace narrow
+#endif
 #endif
 
 }  // namespace specchat

@@ -8,7 +8,10 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <limits>
 #include <vector>
+
+#include "instructions.h"
 
 namespace specchat::tuning {
 
@@ -26,6 +29,14 @@ std::atomic<int> forced{-1};
 
 }  // namespace
 
+bool timed_here(int candidate) {
+#ifdef VNNI_512
+    return candidate >= 0;
+#else
+    return kernel_of(candidate) != Kernel::Narrow;
+#endif
+}
+
 Pick pick(const std::string& key) {
     const int force = forced.load(std::memory_order_relaxed);
     if (force >= 0)
@@ -36,9 +47,11 @@ Pick pick(const std::string& key) {
         return {shape.chosen, false};
     // The candidate called least so far: they take turns, so a drift of the machine's speed
     // weighs on each alike.
-    const auto least = std::min_element(shape.calls.begin(), shape.calls.end());
-    const int candidate = static_cast<int>(least - shape.calls.begin());
-    return {candidate, (*least)++ > 0};  // (a candidate's first call sets up its scratch: not timed)
+    int candidate = -1;
+    for (int c = 0; c < CANDIDATES; ++c)
+        if (timed_here(c) && (candidate < 0 || shape.calls[c] < shape.calls[candidate]))
+            candidate = c;
+    return {candidate, shape.calls[candidate]++ > 0};  // (a candidate's first call sets up its scratch: not timed)
 }
 
 void record(const std::string& key, int candidate, double seconds) {
@@ -47,8 +60,13 @@ void record(const std::string& key, int candidate, double seconds) {
     if (shape.chosen >= 0)
         return;
     shape.seconds[candidate].push_back(seconds);
-    std::vector<double> all;
-    for (const auto& timed : shape.seconds) {
+    std::vector<double> all;  // (a candidate not timed here: never chosen)
+    for (int c = 0; c < CANDIDATES; ++c) {
+        const auto& timed = shape.seconds[c];
+        if (!timed_here(c)) {
+            all.insert(all.end(), SAMPLES, std::numeric_limits<double>::infinity());
+            continue;
+        }
         if (timed.size() < SAMPLES)
             return;
         all.insert(all.end(), timed.begin(), timed.begin() + SAMPLES);

@@ -16,24 +16,30 @@
 namespace specchat::tuning {
 
 // Whose kernels multiply a pass's rows: the op's own multi-row kernels (each weight block
-// unpacked once for every row) or ggml's one-row kernels, called row by row.
-enum class Kernel { Own = 0, Ggml = 1 };
+// unpacked once for every row), ggml's one-row kernels, called row by row, or the op's own on
+// 256-bit registers alone (a candidate only where the CPU has 512-bit VNNI too: Narrow where it
+// does not would time the op's own kernels twice).
+enum class Kernel { Own = 0, Ggml = 1, Narrow = 2 };
+constexpr int KERNELS = 3;
 // How the threads share a node's columns: one contiguous range of weight bytes each (a long
 // stream for the hardware prefetchers), or that range in chunks, a thread done with its own
 // taking the others' last ones (one woken late by the pool, or slowed, takes fewer).
 enum class Split { Static = 0, Stealing = 1 };
 
-constexpr int CANDIDATES = 4;
+constexpr int CANDIDATES = 6;
 constexpr int SAMPLES = 5;  // timed calls per candidate before a choice
 // Passes wider than this are not tuned: they take the op's own kernels and the static split.
 constexpr int64_t WIDEST_TUNED = 64;
 
 constexpr Kernel kernel_of(int candidate) {
-    return static_cast<Kernel>(candidate & 1);
+    return static_cast<Kernel>(candidate % KERNELS);
 }
 constexpr Split split_of(int candidate) {
-    return static_cast<Split>(candidate >> 1);
+    return static_cast<Split>(candidate / KERNELS);
 }
+// Whether this build times `candidate` (forced, any candidate runs: Narrow as Own where the CPU
+// has one width).
+bool timed_here(int candidate);
 
 // The candidate a pass of `key` takes, and whether its time is to be recorded.
 struct Pick {

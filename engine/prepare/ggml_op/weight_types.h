@@ -39,6 +39,9 @@ struct OwnKernels {
     RowsKernel fine_rows;
     // The rows straight into the AMX tiles' bf16; null: by ggml's to_float first.
     TilePacker tiles;
+    // `rows` on 256-bit registers alone, where the CPU has 512-bit VNNI too (a candidate the op
+    // times: tuning.h); null elsewhere.
+    RowsKernel narrow_rows;
 };
 
 // ggml's kernels for a type whose weight rows are interleaved 8 at a time: on x86 (AVX2 and up)
