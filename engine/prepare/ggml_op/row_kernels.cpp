@@ -486,6 +486,10 @@ void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const
 }
 
 // The kernels the table names (weight_types.cpp), for each kind of activation block they take.
+#ifdef SPECCHAT_NARROW
+const RowsKernel q4_K_rows = gemv_rows_q4_K<block_q8_K>, q4_0_rows = gemv_rows_q4_0,
+                 q6_K_rows = vec_dot_rows_q6_K<block_q8_K>;
+#else
 #define ROWS_KERNEL(kernel) \
     template void kernel(const uint8_t*, int64_t, const void*, const uint8_t*, size_t, int64_t, float*, int64_t)
 ROWS_KERNEL(gemv_rows_q4_K<block_q8_K>);
@@ -493,6 +497,7 @@ ROWS_KERNEL(vec_dot_rows_q6_K<block_q8_K>);
 #ifdef ROWS_512
 ROWS_KERNEL(gemv_rows_q4_K<block_q14>);
 ROWS_KERNEL(vec_dot_rows_q6_K<block_q14>);
+#endif
 #endif
 
 }  // namespace ROWS_NAMESPACE

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "instructions.h"
+#include "weight_types.h"
 
 namespace specchat {
 
@@ -27,17 +28,10 @@ template <typename A>
 void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
                        float* y, int64_t y_row);
 #ifdef VNNI_512
-// The same kernels by block_q8_K on 256-bit registers alone (row_kernels.cpp built again): where
-// the CPU has both widths, a candidate the op times against the 512-bit ones (tuning.h).
+// The three by block_q8_K on 256-bit registers alone (row_kernels.cpp built again): where the CPU
+// has both widths, a candidate the op times against the 512-bit ones (tuning.h).
 namespace narrow {
-template <typename A>
-void gemv_rows_q4_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
-                    float* y, int64_t y_row);
-void gemv_rows_q4_0(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
-                    float* y, int64_t y_row);
-template <typename A>
-void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
-                       float* y, int64_t y_row);
+extern const RowsKernel q4_K_rows, q4_0_rows, q6_K_rows;
 }  // namespace narrow
 #endif
 #endif

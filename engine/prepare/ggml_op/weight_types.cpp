@@ -48,20 +48,20 @@ std::array<WeightType, GGML_TYPE_COUNT> own_kernels() {
         {AVX2_KERNEL(gemv_rows_q4_K<block_q8_K>),
          VNNI_512_KERNEL(gemv_rows_q4_K<block_q14>),
          AMX_KERNEL(q4_K_tiles),
-         VNNI_512_KERNEL(narrow::gemv_rows_q4_K<block_q8_K>)},
+         VNNI_512_KERNEL(narrow::q4_K_rows)},
         {ggml_quantize_mat_q8_K_4x8, ggml_gemv_q4_K_8x8_q8_K, ggml_gemm_q4_K_8x8_q8_K, deinterleave_q4_K}};
     table[GGML_TYPE_Q6_K] = {
         GGML_TYPE_Q8_K,
         {AVX2_KERNEL(vec_dot_rows_q6_K<block_q8_K>),
          VNNI_512_KERNEL(vec_dot_rows_q6_K<block_q14>),
          AMX_KERNEL(q6_K_tiles),
-         VNNI_512_KERNEL(narrow::vec_dot_rows_q6_K<block_q8_K>)},
+         VNNI_512_KERNEL(narrow::q6_K_rows)},
         {},
         {}};
     table[GGML_TYPE_Q4_0] = {
         GGML_TYPE_Q8_0,
         {},
-        {AVX2_KERNEL(gemv_rows_q4_0), nullptr, nullptr, VNNI_512_KERNEL(narrow::gemv_rows_q4_0)},
+        {AVX2_KERNEL(gemv_rows_q4_0), nullptr, nullptr, VNNI_512_KERNEL(narrow::q4_0_rows)},
         {ggml_quantize_mat_q8_0_4x8, ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0, nullptr}};
     table[GGML_TYPE_IQ4_NL] = {
         GGML_TYPE_Q8_0,
