@@ -58,9 +58,11 @@ CANDIDATES = (
     "own kernels, static split",
     "ggml's kernels, static split",
     "own kernels in 256 bits, static split",
+    "own kernels reading nothing ahead, static split",
     "own kernels, stealing split",
     "ggml's kernels, stealing split",
     "own kernels in 256 bits, stealing split",
+    "own kernels reading nothing ahead, stealing split",
 )
 log = logging.getLogger("specchat.kernels")
 

@@ -160,6 +160,7 @@ public:
             // (ggml's kernels take no 14-bit activations)
             p.own = p.has_rows_kernel() && (kernel != tuning::Kernel::Ggml || p.x->fine);
             p.narrow = kernel == tuning::Kernel::Narrow;
+            p.read_ahead = kernel != tuning::Kernel::OwnNear;
         }
         const auto start = std::chrono::steady_clock::now();
         multiply(products, m, k, tuning::split_of(pick.candidate));

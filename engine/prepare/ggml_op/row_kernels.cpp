@@ -65,10 +65,11 @@ inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
 }
 
 // A block's bytes into the cache ahead of use, into the next weight rows (up to `end`, the last
-// of the thread's range): the blocks' compute, longer with more rows, would otherwise leave each
-// block's first lines to arrive from memory while the core waits. Six blocks ahead, not two or
-// twelve, by plain steps timed in alternating processes (docs/benchmarks.md, "The op's fixed
-// constants").
+// of the thread's range; none where `end` is the rows' start): the blocks' compute, longer with
+// more rows, would otherwise leave each block's first lines to arrive from memory while the core
+// waits. Six blocks ahead, not two or twelve, by plain steps timed in alternating processes
+// (docs/benchmarks.md, "The op's fixed constants"); whether to read ahead at all is timed where
+// the op runs (tuning.h).
 constexpr int64_t AHEAD = 6;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks, 8 of Q4_0)
 
 // (Always inlined: once the row kernels were templates, GCC 12 left out every prefetch of theirs,

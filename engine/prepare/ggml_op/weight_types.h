@@ -20,7 +20,8 @@ namespace specchat {
 
 // A unit of weight rows (a group of INTERLEAVE interleaved rows, or one row as stored) of k values
 // at `w` by `rows` activation rows (`x_row` bytes apart) into y (rows `y_row` floats apart); `end`
-// is the last byte of the thread's weight rows, which the kernel reads ahead no further than.
+// is the last byte of the thread's weight rows, which the kernel reads ahead no further than (at
+// or before `w`: it reads nothing ahead).
 using RowsKernel = void (*)(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
                             float* y, int64_t y_row);
 // A unit of weight rows (`blocks` blocks each) into the AMX bf16 weight tiles `w` as rows col ..
