@@ -1,6 +1,7 @@
 // The op's own multi-row kernels (row_kernels.h), on AVX2 and up: AVX2's byte multiply-adds, or
-// VNNI's where the CPU has them, 512-bit with AVX-512 VNNI (ROWS_512). Built a second time where
-// the CPU has that (SPECCHAT_NARROW, into specchat::narrow): on 256-bit registers alone.
+// VNNI's where the CPU has them, 512-bit with AVX-512 VNNI (ROWS_512). Built a second time
+// (SPECCHAT_NARROW, into specchat::narrow): on 256-bit registers alone where the CPU has 512-bit
+// VNNI, and nothing where it has one width.
 #include "row_kernels.h"
 
 #if defined(VNNI_512) && !defined(SPECCHAT_NARROW)
@@ -12,7 +13,7 @@
 #define ROWS_NAMESPACE specchat
 #endif
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && (defined(VNNI_512) || !defined(SPECCHAT_NARROW))
 #include <algorithm>
 #include <cstring>
 #include <type_traits>

@@ -6,9 +6,9 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
-#include <limits>
 #include <vector>
 
 #include "instructions.h"
