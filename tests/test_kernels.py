@@ -208,6 +208,25 @@ def test_a_pass_shape_is_timed_on_every_candidate_then_keeps_one_which_a_later_s
     assert ggml.CANDIDATES[chosen].split(",")[0] in ggml.describe_choices(ggml.choices(library))
 
 
+def test_passes_in_14_bits_are_timed_apart_from_the_same_shape_in_8(library):
+    """Their kernels differ (ggml's take no 14-bit activations), so one shape's choice in 8 bits
+    says nothing of its time in 14."""
+    if not ggml.fine_activations(library):
+        pytest.skip("14-bit activations take AVX-512 VNNI")
+    rows = random_rows(Q.Q4_K, N, K, seed=13)
+    x = np.random.default_rng(14).standard_normal((2, K)).astype(np.float32)
+    ggml.load_choices(library, remeasure=True)
+    key = f"q4_Kx8:{N} k{K} m2 t1"
+    for fine, timed in ((False, key), (True, key + " a14")):
+        model = compiled(library, rows, Q.Q4_K, threads=1, fine=fine)
+        for _ in range(200):
+            model({0: x})
+            if timed in ggml.choices(library):
+                break
+        assert timed in ggml.choices(library)
+    ggml.load_choices(library, remeasure=True)
+
+
 def spread_rows(count: int, seed: int) -> np.ndarray:
     """Activation rows from 1e-3 to 1e3 in scale, every other one with a huge channel (60 times the
     rest's spread) as LLMs' have."""

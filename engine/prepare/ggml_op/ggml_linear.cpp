@@ -149,7 +149,7 @@ public:
         // A decode or verify pass takes the candidate chosen for its shape where it runs (tuning.h);
         // a prompt pass, or a wider one, the op's own kernels and the static split.
         const bool tuned = !gemm && m <= tuning::WIDEST_TUNED;
-        const std::string key = tuned ? shape_key(products, m, k) : std::string();
+        const std::string key = tuned ? shape_key(products, m, k, fine) : std::string();
         const tuning::Pick pick = tuned ? tuning::pick(key) : tuning::Pick{0, false};
         const tuning::Kernel kernel = tuning::kernel_of(pick.candidate);
         for (size_t i = 0; i < products.size(); ++i) {  // (once the scratch stopped growing)
@@ -259,13 +259,17 @@ private:
     }
 
     // What the tuning tells a node's passes apart by: its weights (type, interleaved, rows), K, the
-    // pass's rows and the threads, e.g. "q4_Kx8:1536 q6_K:256 k1536 m1 t2".
-    static std::string shape_key(const std::vector<Product>& products, int64_t m, int64_t k) {
+    // pass's rows, the threads and, where any weight takes them, 14-bit activations (their kernels
+    // and their time differ), e.g. "q4_Kx8:1536 q6_K:256 k1536 m1 t2" or "... m1 t2 a14".
+    static std::string shape_key(const std::vector<Product>& products, int64_t m, int64_t k, bool fine) {
         std::string key;
-        for (const auto& p : products)
+        bool takes_fine = false;
+        for (const auto& p : products) {
             key += std::string(ggml_type_name(p.type)) + (p.il ? "x8:" : ":") + std::to_string(p.n) + " ";
+            takes_fine = takes_fine || (fine && p.takes_fine());
+        }
         return key + "k" + std::to_string(k) + " m" + std::to_string(m) + " t" +
-               std::to_string(parallel_get_max_threads());
+               std::to_string(parallel_get_max_threads()) + (takes_fine ? " a14" : "");
     }
 
     // Weight i's output shape for x's, checking its type and rows.
