@@ -22,6 +22,10 @@ from openvino.utils.node_factory import NodeFactory
 from engine import machine
 
 GGML_LINEAR = "GgmlLinear"
+# The op's attention over the KV caches it keeps (engine.core.kv_cache).
+KV_ATTENTION = "KvAttention"
+# Its graph inputs: each row's cache (an id) and the entries the row keeps before the pass.
+KV_CACHES, KV_PASTS = "kv_caches", "kv_pasts"
 # FIRST_WEIGHT, INTERLEAVE, GEMM_ROWS, AMX_ROWS, TILED_ROWS, GEMM and FINE are the op's too, defined
 # here alone: its build reads them from here (engine.prepare.kernels.SHARED, ggml_op/shared.h).
 # The op's first weight input (after x and its gemm flag); one input per weight from there.
@@ -39,10 +43,11 @@ AMX_ROWS = 32
 # "The op's fixed constants").
 TILED_ROWS = 256
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
-# (Its fourth form: weights with interleaved kernels keep their rows interleaved, an int4 model's
-# rows are 4-bit blocks, and a node norms its input and adds its biases, SwiGLU and residual
-# itself (:class:`Fused`). A cache holding an earlier form writes this one and drops that.)
-GGML_XML = "openvino_model_ggml4.xml"
+# (Its fifth form: weights with interleaved kernels keep their rows interleaved, an int4 model's
+# rows are 4-bit blocks, a node norms its input and adds its biases, SwiGLU and residual itself
+# (:class:`Fused`), and a graph built from a GGUF attends over the op's own KV caches
+# (:data:`KV_ATTENTION`). A cache holding an earlier form writes this one and drops that.)
+GGML_XML = "openvino_model_ggml5.xml"
 # Its input of a pass's flags (engine.core.runtime sets it on every pass): GEMM turns ggml's batched
 # kernels on (its gemm, its tiled mul_mat: a prompt reader's passes); FINE multiplies Q4_K and Q6_K
 # rows by activations in 14 bits rather than 8 in the blocks whose largest value stands out, where
@@ -250,6 +255,16 @@ def rebuilt(node: ov.Node, rows: np.ndarray, ggml_type: int, interleaved: bool, 
 def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interleave: bool = True) -> ov.Output:
     """:func:`linears` for one weight."""
     return linears(x, [(rows, ggml_type)], library, interleave)[0]
+
+
+def attention(
+    q: ov.Output, k: ov.Output, v: ov.Output, caches: ov.Output, pasts: ov.Output, layer: int, scale: float, library: Path
+) -> ov.Output:
+    """Layer ``layer``'s attention of ``q`` [B, H, T, D] over the KV caches the op keeps, after
+    writing each row's new entries ``k`` and ``v`` [B, Hkv, T, D] into row b's cache ``caches[b]``
+    past its first ``pasts[b]`` (:data:`KV_ATTENTION`: engine/prepare/ggml_op/kv_attention.h)."""
+    node = _factory(library).create(KV_ATTENTION, [q, k, v, caches, pasts], {"layer": layer, "scale": scale})
+    return node.output(0)
 
 
 def gemm_input() -> ov.Node:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
+from engine import ggml
 from engine.core.memory import trim_heap
 from engine.core.runtime import Runtime, release_states, state_tensor
 
@@ -199,6 +200,99 @@ class Batch:
         self.rows, self._physical, self._tails, self.slots = [], [], [], 0
 
 
+class OwnBatch:
+    """:class:`Batch`'s rows where the op keeps each conversation's cache (engine.core.kv_cache):
+    a pass names each row's own cache and the entries it keeps, so nothing is copied in or out,
+    rows of any lengths share a pass, and each row computes what it computes alone, bit for bit
+    (the op's attention reads a row's entries only). A row fed fewer tokens than the widest is
+    padded after them; the padding's entries lie past what the row keeps, written over by its next
+    pass."""
+
+    def __init__(self, template: Runtime):
+        self.compiled = template.compiled
+        self.request = self.compiled.create_infer_request()
+        self.max_context = template.max_context
+        self.pass_inputs = template.pass_inputs()
+        self.rows: list[Row] = []
+        self.passes = 0
+        self.last_seconds = 0.0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return any(row.key == key for row in self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Nothing beyond the rows' own caches, which their conversations count."""
+        return 0
+
+    def join(self, members: Sequence[tuple[Hashable, Runtime]]) -> None:
+        """Add a row per ``(key, home)``, reading and writing ``home``'s cache."""
+        self.rows += [Row(key, home, list(home.tokens), list(home.origins)) for key, home in members]
+
+    def leave(self, key: Hashable, write_back: bool = True) -> None:
+        """Drop ``key``'s row; its cache holds what the row holds (without ``write_back``, after a
+        failed pass, it is emptied)."""
+        row = self.rows.pop(next(i for i, row in enumerate(self.rows) if row.key == key))
+        if write_back:
+            row.home.hold_loaded(row.tokens, row.origins)
+        else:
+            row.home.release()
+
+    def step(self, feeds: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """:meth:`Batch.step`: append ``feeds[i]`` to row i; each row's logits for the positions
+        after each token fed."""
+        if len(feeds) != len(self.rows) or not all(feeds):
+            raise ValueError(f"{len(feeds)} feeds for {len(self.rows)} rows, each fed a token or more")
+        lengths = np.array([len(row.tokens) for row in self.rows])
+        fed = max(len(feed) for feed in feeds)
+        if (lengths + np.array([len(feed) for feed in feeds])).max() > self.max_context:
+            raise ValueError("a row would exceed the model's context")  # the decoder stops before this
+        ids = np.zeros((len(feeds), fed), dtype=np.int64)
+        for i, feed in enumerate(feeds):
+            ids[i, : len(feed)] = feed
+        caches = [row.home.own for row in self.rows]
+        start = time.perf_counter()
+        self.request.infer(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones((len(feeds), fed), dtype=np.int64),
+                "position_ids": (lengths[:, None] + np.arange(fed)[None]).astype(np.int64),
+                "beam_idx": np.arange(len(feeds), dtype=np.int32),
+                "logits_to_keep": np.array([fed], dtype=np.int64),
+                ggml.KV_CACHES: np.array([cache.id for cache in caches if cache is not None], dtype=np.int64),
+                ggml.KV_PASTS: lengths.astype(np.int64),
+                **self.pass_inputs,
+            }
+        )
+        self.last_seconds = time.perf_counter() - start
+        for row, feed in zip(self.rows, feeds):
+            row.tokens += feed
+            row.origins += [None] * len(feed)
+        self.passes += 1
+        logits = self.request.get_tensor("logits").data
+        return [logits[i, : len(feed)].astype(np.float32, copy=True) for i, feed in enumerate(feeds)]
+
+    def keep(self, lengths: Sequence[int]) -> None:
+        """Cut row i back to its first ``lengths[i]`` tokens: free (its next pass writes after them)."""
+        for row, n in zip(self.rows, lengths):
+            del row.tokens[n:], row.origins[n:]
+
+    def reset(self) -> None:
+        """Drop every row without writing anything back (after a failed pass)."""
+        for row in self.rows:
+            row.home.release()
+        self.request = self.compiled.create_infer_request()
+        self.rows = []
+
+
+def batch_for(template: Runtime) -> Batch | OwnBatch:
+    """The batch that fits ``template``'s graph: over the op's own caches, else over the plugin's states."""
+    return OwnBatch(template) if template.own is not None else Batch(template)
+
+
 def _entries(states: dict[str, ov.VariableState], name: str, home: Runtime) -> np.ndarray:
     """A home cache's state ``name``; an empty cache's without reading it (a request reset or
     never run has no states to read)."""
@@ -233,8 +327,10 @@ def padded_row_error(template: Runtime, pads: Sequence[int] = (1, 2, 3), prompt:
         short, long = template.fork(), template.fork()
         short.forward(tokens)
         long.forward(list(range(2, prompt + pad + 2)))
-        batch = Batch(template)
+        batch = batch_for(template)
         batch.join([(0, short), (1, long)])
         moved = max(moved, float(np.abs(batch.step([[1], [1]])[0] - expected).max()))
-        release_states(batch.request, template.empty_state)
+        batch.reset()
+        for runtime in (short, long):
+            runtime.release()
     return moved

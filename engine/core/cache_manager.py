@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from engine.core.batch import Batch
+from engine.core.batch import Batch, OwnBatch
 from engine.core.budget import MemoryBudget
 from engine.core.planning import Seat
 from engine.core.sessions import Session, SessionPool
@@ -66,7 +66,7 @@ class CacheManager:
     caches (the conversations' and the batched rows'), ``per_token``: the target's cache bytes per
     token (what a batched row holds)."""
 
-    def __init__(self, budget: MemoryBudget, sessions: SessionPool, batch: Batch, per_token: int) -> None:
+    def __init__(self, budget: MemoryBudget, sessions: SessionPool, batch: Batch | OwnBatch, per_token: int) -> None:
         self.budget = budget
         self.sessions = sessions
         self.batch = batch

@@ -197,8 +197,10 @@ def fastest_reader(
     copy of the weights too), a :class:`Reader` on the plugin's kernels in each precision. Each is
     timed at start over one pass of :data:`~engine.core.reading.READ_PASS` tokens after
     :data:`PROBE_CONTEXT` (the gain grows with the context), and logged. The target's cache is
-    left empty."""
+    left empty. A target whose cache the op keeps has no states for a stateless reader to read
+    and write: only its own passes read there."""
     core = core or ov.Core()
+    plugin, stateless = (plugin, stateless) if target.own is None else (False, False)
     context = min(PROBE_CONTEXT, target.max_context - READ_PASS)
     tokens = [0] * (context + READ_PASS)
 
@@ -249,6 +251,7 @@ def named_reader(
     warmed up again without timing; None where it was none, or where it no longer fits (this
     start's target on other kernels, or a budget that no longer holds it: ``plugin`` and
     ``stateless`` as there)."""
+    plugin, stateless = (plugin, stateless) if target.own is None else (False, False)
     if name == GEMM_READER:
         reader: PromptReader | None = GemmReader(target.library) if target.library is not None else None
     elif name.removesuffix(SHARED) in precisions(core or ov.Core()):

@@ -19,6 +19,7 @@ import openvino as ov
 from engine import ggml, manifest
 from engine.core import graph, hugepages
 from engine.core.draft_vocab import Ids
+from engine.core.kv_cache import OwnCache
 from engine.core.reading import ReadPass, common_prefix
 from engine.errors import ContextLimitError, EngineError, PrepareError
 from engine.ggml import GEMM_INPUT, GGML_XML
@@ -176,7 +177,8 @@ class Runtime:
         # prompt reader made from it shares them (engine.core.reader). (The plugin's kernels lay
         # out a copy: kept, the graph's would stay resident beside it.)
         self.model = model if kernels is not None else None
-        self._has_gemm_input = any(GEMM_INPUT in i.get_names() for i in model.inputs)
+        names = {name for i in model.inputs for name in i.get_names()}
+        self._has_gemm_input = GEMM_INPUT in names
         self.request = self.compiled.create_infer_request()
         self.vocab_size: int = self.compiled.output("logits").get_partial_shape()[2].get_length()
         hf_config = json.loads((Path(ir_dir) / "config.json").read_text())
@@ -187,6 +189,12 @@ class Runtime:
         self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
         self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
+        # Where the graph's attention is the op's, the cache it keeps (engine.core.kv_cache): no states.
+        self.own: OwnCache | None = None
+        if ggml.KV_CACHES in names:
+            assert kernels is not None
+            layers = int(hf_config["num_hidden_layers"])
+            self.own = OwnCache(kernels, layers, _kv_heads(hf_config), _head_dim(hf_config))
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         # What wrote each of them: a prompt reader's pass (engine.core.reader), None for this
         # request's own passes. A reader's entries round with where its pass started and ended.
@@ -205,6 +213,7 @@ class Runtime:
         """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
         twin = copy.copy(self)
         twin.request = self.compiled.create_infer_request()
+        twin.own = self.own.other() if self.own is not None else None
         twin.passes = 0
         twin.reset()
         return twin
@@ -220,7 +229,7 @@ class Runtime:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.slots * self.kv_bytes_per_token
+        return self.own.bytes if self.own is not None else self.slots * self.kv_bytes_per_token
 
     def warm_up(self) -> None:
         """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""
@@ -231,12 +240,16 @@ class Runtime:
     def release(self) -> None:
         """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the
         next request; this frees them: a conversation whose entries were copied elsewhere)."""
-        release_states(self.request, self.empty_state)
+        if self.own is not None:
+            self.own.free()
+        else:
+            release_states(self.request, self.empty_state)
         self.tokens, self.origins = [], []
         self._mask = np.ones(0, dtype=np.int64)
 
     def reset(self) -> None:
-        self.request.reset_state()
+        if self.own is None:  # (the op's cache: the next pass writes from its first entry)
+            self.request.reset_state()
         self.tokens, self.origins = [], []
         self._mask = np.ones(0, dtype=np.int64)
 
@@ -246,6 +259,11 @@ class Runtime:
             return
         if keep == 0:
             self.reset()
+            return
+        if self.own is not None:  # (the next pass writes after the entries kept)
+            self._mask = self._mask[:keep]
+            del self.tokens[keep:]
+            del self.origins[keep:]
             return
         slots = np.flatnonzero(self._mask)
         if self.masked_rollback:
@@ -279,14 +297,19 @@ class Runtime:
     def fill(self, context: int) -> None:
         """Make the cache hold ``context`` entries of zeros, the states set directly (no prefill):
         what a pass costs at a length, without paying for the prompt first."""
-        shape = self.empty_state.shape
-        zeros = state_tensor(np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
-        for state in self.request.query_state():  # (a tensor of its own each would double the peak)
-            state.state = zeros
+        if self.own is not None:
+            self.own.zeros(context)
+        else:
+            shape = self.empty_state.shape
+            zeros = state_tensor(np.zeros((*shape[:2], context, shape[3]), dtype=np.float32))
+            for state in self.request.query_state():  # (a tensor of its own each would double the peak)
+                state.state = zeros
         self.hold_loaded([0] * context)
 
     def entries(self) -> dict[str, np.ndarray]:
         """A copy of every state (the cache's entries), by name: what :meth:`load` takes back."""
+        if self.own is not None:
+            return self.own.read(len(self.tokens))
         return {state.name: state.state.data.copy() for state in self.request.query_state()}
 
     def load(
@@ -296,6 +319,8 @@ class Runtime:
         them first, or a longer run of tokens starting with them): nothing is computed. A
         token's entries depend only on the tokens before it, so a cache holding an opening many
         conversations share can seed every new one. ``origins``: what wrote them (:attr:`origins`)."""
+        if self.own is not None:
+            self.own.write(entries, len(tokens))
         for state in self.request.query_state():
             state.state = state_tensor(entries[state.name][:, :, : len(tokens)])
         self.hold_loaded(tokens, origins)
@@ -314,6 +339,12 @@ class Runtime:
         width), and the activations' bits."""
         flags = ggml.GEMM if gemm else self._flags
         return {GEMM_INPUT: np.array([flags], dtype=np.int64)} if self._has_gemm_input else {}
+
+    def _cache_inputs(self, past: int) -> dict[str, np.ndarray]:
+        """Where the op keeps the cache: which one a pass writes, after how many entries."""
+        if self.own is None:
+            return {}
+        return {ggml.KV_CACHES: np.array([self.own.id], dtype=np.int64), ggml.KV_PASTS: np.array([past], dtype=np.int64)}
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1, gemm: bool = False) -> np.ndarray:
         """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them
@@ -334,6 +365,7 @@ class Runtime:
                 "beam_idx": np.zeros(1, dtype=np.int32),
                 "logits_to_keep": np.array([min(rows, m)], dtype=np.int64),
                 **self.pass_inputs(gemm),
+                **self._cache_inputs(past),
             }
         )
         self.tokens.extend(new_tokens)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core import decoding, planning
-from engine.core.batch import Batch
+from engine.core.batch import batch_for
 from engine.core.budget import MemoryBudget
 from engine.core.cache_manager import OUT_OF_MEMORY, CacheManager
 from engine.core.chat import Prompt
@@ -88,7 +88,7 @@ class Scheduler:
         self.batching = batching
         self.baseline = Baseline()  # plain decoding's measured speed: the answers' speedup (worker thread only)
         self.max_batch = min(MAX_BATCH, self.sessions.capacity)
-        self._batch = Batch(self.target)
+        self._batch = batch_for(self.target)
         self.memory = CacheManager(budget, sessions, self._batch, target.kv_bytes_per_token)
         self.prices = prices  # (worker thread only)
         self._serving: list[Job] = []  # started, not finished (worker thread only)

@@ -7,7 +7,7 @@ weights. One builder lays out both graphs of a prepared model; only the factory 
 layers and head differs (a llama file's q and k rows put back in the model's order first; the
 token embedding's rows as the head where the file has no ``output.weight``):
 
-- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml4.xml``): GgmlLinear nodes on the file's
+- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml5.xml``): GgmlLinear nodes on the file's
   own rows, grouped and interleaved as :func:`engine.prepare.ggml_ir.rewrite` makes them from an
   exported IR (a layer's q, k and v in one node, its gate and up in another), each node norming
   its input and adding its biases, SwiGLU and residual itself (:class:`engine.ggml.Fused`);
@@ -183,6 +183,13 @@ def _constant(values: Any, kind: type = np.float32) -> ov.Output:
     return ops.constant(np.asarray(values, dtype=kind)).output(0)
 
 
+def _parameter(name: str, dims: list[int], kind: ov.Type) -> ov.Node:
+    """A graph input named ``name`` (its tensor too, as the runtime finds it)."""
+    parameter = ops.parameter(dims, kind, name=name)
+    parameter.output(0).get_tensor().set_names({name})
+    return parameter
+
+
 def _rows(tensor: Any) -> tuple[np.ndarray, int]:
     """A 2-D tensor's rows as the file stores them (u8 [rows, bytes per row]) and its ggml type."""
     return np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1), int(tensor.tensor_type)
@@ -276,6 +283,8 @@ class Linears:
     """How a graph multiplies by the file's matrices: ``x @ W^T`` for each of ``weights`` that reads
     ``x``. ``parameters``: the graph inputs it adds; ``done``: what it made, by type, for the log."""
 
+    owns_attention = False  # (each layer's attention is the plugin's, over the graph's states)
+
     def __init__(self) -> None:
         self.parameters: list[ov.Node] = []
         self.done: Counter[str] = Counter()
@@ -297,13 +306,23 @@ def rms_norm(x: ov.Output, gamma: np.ndarray, eps: float, rank: int = 3) -> ov.O
 
 class OnGgml(Linears):
     """GgmlLinear nodes on the rows, those that read one input in one node (ggml.linears:
-    interleaved where ggml has kernels for that), with the pass's flags as an input."""
+    interleaved where ggml has kernels for that), with the pass's flags as an input; each layer's
+    attention the op's too, over KV caches the op keeps (ggml.attention), each row's cache and the
+    entries it keeps the graph's inputs :data:`~engine.ggml.KV_CACHES` and ``KV_PASTS``: the graph
+    has no states."""
+
+    owns_attention = True
 
     def __init__(self, library: Path) -> None:
         super().__init__()
         self.library = library
         self.gemm = ggml.gemm_input()
-        self.parameters = [self.gemm]
+        self.caches, self.pasts = (_parameter(name, [-1], ov.Type.i64) for name in (ggml.KV_CACHES, ggml.KV_PASTS))
+        self.parameters = [self.gemm, self.caches, self.pasts]
+
+    def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float) -> ov.Output:
+        """Layer ``layer``'s attention over the op's caches, its new entries ``k`` and ``v`` written first."""
+        return ggml.attention(q, k, v, self.caches.output(0), self.pasts.output(0), layer, scale, self.library)
 
     def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
         outputs = ggml.linears(
@@ -371,7 +390,7 @@ class _Builder:
         self.four_bit = four_bit
         self.where = where
         self.parameters = {
-            name: ops.parameter(dims, kind, name=name)
+            name: _parameter(name, dims, kind)
             for name, dims, kind in (
                 ("input_ids", [-1, -1], ov.Type.i64),
                 ("attention_mask", [-1, -1], ov.Type.i64),
@@ -379,8 +398,6 @@ class _Builder:
                 ("beam_idx", [-1], ov.Type.i32),
             )
         }
-        for name, parameter in self.parameters.items():
-            parameter.output(0).get_tensor().set_names({name})
         self.variables: list[Variable] = []
         self.sinks: list[ov.Node] = []
 
@@ -528,17 +545,23 @@ class _Builder:
         # prompt reader's stateless copy splits back into an input and an output: engine.core.reader)
         names = [(f"past_key_values.{i}.key", f"present.{i}.key") for i in range(shape.layers)]
         names += [(f"past_key_values.{i}.value", f"present.{i}.value") for i in range(shape.layers)]
-        states = [self.cache(past + present, batch.output(0)) for past, present in names]
-        caches = list(zip(states[: shape.layers], states[shape.layers :]))
-        bias = self.mask(caches[0][0][0])
-        for i, ((past_k, key_variable), (past_v, value_variable)) in enumerate(caches):
+        own = self.multiply.owns_attention
+        if not own:
+            states = [self.cache(past + present, batch.output(0)) for past, present in names]
+            caches = list(zip(states[: shape.layers], states[shape.layers :]))
+            bias = self.mask(caches[0][0][0])
+        for i in range(shape.layers):
             block = f"blk.{i}"
             q, k, v = self.linears(x, [f"{block}.{n}" for n in PROJECTIONS], norm=f"{block}.attn_norm.weight")
             q = self.rope(self.heads(q, shape.heads, f"{block}.attn_q_norm"), cos, sin)
             k = self.rope(self.heads(k, shape.kv_heads, f"{block}.attn_k_norm"), cos, sin)
-            keys = self.extend(past_k, k, key_variable)
-            values = self.extend(past_v, self.heads(v, shape.kv_heads, None), value_variable)
-            attended = ops.scaled_dot_product_attention(q, keys, values, bias, scale, causal=False)
+            v = self.heads(v, shape.kv_heads, None)
+            if own:
+                attended = self.multiply.attention(q, k, v, i, 1.0 / np.sqrt(shape.head_dim))
+            else:
+                (past_k, key_variable), (past_v, value_variable) = caches[i]
+                keys, values = self.extend(past_k, k, key_variable), self.extend(past_v, v, value_variable)
+                attended = ops.scaled_dot_product_attention(q, keys, values, bias, scale, causal=False).output(0)
             attended = ops.transpose(attended, _constant([0, 2, 1, 3], np.int32))
             merged = ops.reshape(attended, _constant([0, 0, shape.heads * shape.head_dim], np.int64), True)
             (x,) = self.linears(merged.output(0), [f"{block}.attn_output"], residual=x)

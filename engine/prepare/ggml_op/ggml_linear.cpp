@@ -31,6 +31,7 @@
 #include "activations.h"
 #include "amx_tiles.h"
 #include "fusion.h"
+#include "kv_attention.h"
 #include "ggml.h"
 #include "openvino/core/extension.hpp"
 #include "openvino/core/op_extension.hpp"
@@ -321,4 +322,5 @@ private:
 
 }  // namespace specchat
 
-OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<specchat::GgmlLinear>>()}));
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<specchat::GgmlLinear>>(),
+                                                           std::make_shared<ov::OpExtension<specchat::KvAttention>>()}));

@@ -1,0 +1,287 @@
+// The op's own attention and the KV caches it keeps (kv_attention.h), and the C calls the engine
+// reads, sets and frees a cache through (engine.core.kv_cache).
+#include "kv_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "openvino/core/parallel.hpp"
+#include "vec.h"  // (ggml-cpu's: llama.cpp's softmax)
+
+namespace specchat {
+
+namespace {
+
+// One layer's keys and values of one cache, in blocks of BLOCK entries (per KV head, `dim` values
+// each): growing adds a block and copies nothing; the first `length` entries are held.
+constexpr int64_t BLOCK = 256;
+struct LayerCache {
+    int64_t heads = 0, dim = 0, length = 0;
+    std::vector<std::unique_ptr<float[]>> k, v;  // (a block: [heads][BLOCK][dim])
+
+    int64_t capacity() const {
+        return static_cast<int64_t>(k.size()) * BLOCK;
+    }
+    float* at(std::vector<std::unique_ptr<float[]>>& blocks, int64_t head, int64_t entry) {
+        return blocks[static_cast<size_t>(entry / BLOCK)].get() + (head * BLOCK + entry % BLOCK) * dim;
+    }
+    // Room for `need` entries.
+    void reserve(int64_t need) {
+        while (capacity() < need)
+            for (auto* blocks : {&k, &v})
+                blocks->emplace_back(new float[static_cast<size_t>(heads * BLOCK * dim)]);
+    }
+    // Blocks past the first `keep` entries' given back.
+    void shrink(int64_t keep) {
+        const size_t blocks = static_cast<size_t>((keep + BLOCK - 1) / BLOCK);
+        k.resize(std::min(k.size(), blocks));
+        v.resize(std::min(v.size(), blocks));
+    }
+    // Entries [first, first + count) of KV head `head` set from `values` [count, dim].
+    void put(std::vector<std::unique_ptr<float[]>>& blocks, int64_t head, int64_t first, int64_t count,
+             const float* values) {
+        runs(first, count, [&](int64_t done, int64_t run) {
+            std::memcpy(at(blocks, head, first + done), values + done * dim, bytes(run));
+        });
+    }
+    // Entries [first, first + count) of KV head `head` into `out` [count, dim].
+    void get(std::vector<std::unique_ptr<float[]>>& blocks, int64_t head, int64_t first, int64_t count, float* out) {
+        runs(first, count, [&](int64_t done, int64_t run) {
+            std::memcpy(out + done * dim, at(blocks, head, first + done), bytes(run));
+        });
+    }
+
+private:
+    size_t bytes(int64_t entries) const {
+        return static_cast<size_t>(entries * dim) * sizeof(float);
+    }
+    // fn(done, run) for each run of [first, first + count) within one block, `done` entries in.
+    template <class F>
+    static void runs(int64_t first, int64_t count, F fn) {
+        for (int64_t done = 0; done < count;) {
+            const int64_t run = std::min(count - done, BLOCK - (first + done) % BLOCK);
+            fn(done, run);
+            done += run;
+        }
+    }
+};
+
+struct Cache {
+    std::vector<LayerCache> layers;
+};
+
+std::mutex guard;  // (the map only: a cache is read and written by one request at a time)
+std::unordered_map<int64_t, std::unique_ptr<Cache>> caches;
+
+// Layer `layer` of cache `id`, made for `heads` KV heads of `dim` values where it is new.
+LayerCache& layer_of(int64_t id, int64_t layer, int64_t heads, int64_t dim) {
+    std::lock_guard<std::mutex> lock(guard);
+    auto& cache = caches[id];
+    if (!cache)
+        cache = std::make_unique<Cache>();
+    if (static_cast<int64_t>(cache->layers.size()) <= layer)
+        cache->layers.resize(static_cast<size_t>(layer + 1));
+    LayerCache& entry = cache->layers[static_cast<size_t>(layer)];
+    if (entry.k.empty()) {
+        entry.heads = heads;
+        entry.dim = dim;
+    }
+    return entry;
+}
+
+// a . b over n values, summed in LANES lanes (value i in lane i % LANES), then the lanes pairwise:
+// one order whatever the caller (the compiler keeps each lane's sum a vector lane's).
+constexpr int LANES = 16;
+inline float dot(const float* a, const float* b, int64_t n) {
+    float acc[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l)
+            acc[l] += a[i + l] * b[i + l];
+    for (; i < n; ++i)
+        acc[i % LANES] += a[i] * b[i];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; ++l)
+            acc[l] += acc[l + width];
+    return acc[0];
+}
+
+// The attention of `count` query rows (q, `stride` apart: the query heads a KV head serves) over
+// entries [0, n) of `cache`'s KV head `head`, into out (as far apart): each row's scores, their
+// softmax (ggml's, in double) and the values weighed by it, each key and value read once for all
+// the rows. A row's result depends on nothing but itself and the entries.
+void attend(const float* q, int64_t count, int64_t stride, LayerCache& cache, int64_t head, int64_t n, float scale,
+            float* out) {
+    thread_local std::vector<float> scores;
+    scores.resize(static_cast<size_t>(count * n));
+    const int64_t dim = cache.dim;
+    std::vector<float> most(static_cast<size_t>(count), -std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; ++j) {
+        const float* key = cache.at(cache.k, head, j);
+        for (int64_t r = 0; r < count; ++r) {
+            const float s = dot(q + r * stride, key, dim) * scale;
+            scores[static_cast<size_t>(r * n + j)] = s;
+            most[static_cast<size_t>(r)] = std::max(most[static_cast<size_t>(r)], s);
+        }
+    }
+    std::vector<float> sums(static_cast<size_t>(count));
+    for (int64_t r = 0; r < count; ++r) {
+        float* row = scores.data() + r * n;
+        sums[static_cast<size_t>(r)] =
+            static_cast<float>(ggml_vec_soft_max_f32(static_cast<int>(n), row, row, most[static_cast<size_t>(r)]));
+        std::fill(out + r * stride, out + r * stride + dim, 0.0f);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float* value = cache.at(cache.v, head, j);
+        for (int64_t r = 0; r < count; ++r) {
+            const float weight = scores[static_cast<size_t>(r * n + j)];
+            float* y = out + r * stride;
+            for (int64_t d = 0; d < dim; ++d)
+                y[d] += weight * value[d];
+        }
+    }
+    for (int64_t r = 0; r < count; ++r) {
+        const float inverse = 1.0f / sums[static_cast<size_t>(r)];
+        for (int64_t d = 0; d < dim; ++d)
+            out[r * stride + d] *= inverse;
+    }
+}
+
+// An i64 or i32 input's values.
+std::vector<int64_t> integers(const ov::Tensor& input) {
+    std::vector<int64_t> values(input.get_size());
+    for (size_t i = 0; i < values.size(); ++i)
+        values[i] = input.get_element_type() == ov::element::i64 ? input.data<const int64_t>()[i]
+                                                                  : input.data<const int32_t>()[i];
+    return values;
+}
+
+}  // namespace
+
+void KvAttention::validate_and_infer_types() {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 5, "q, k, v, the caches and their pasts");
+    for (size_t i = 0; i < 3; ++i)
+        NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::f32, "q, k and v must be f32");
+    for (size_t i = 3; i < 5; ++i)  // (the plugin hands i64 inputs over as i32)
+        NODE_VALIDATION_CHECK(this,
+                              get_input_element_type(i) == ov::element::i64 || get_input_element_type(i) == ov::element::i32,
+                              "caches and pasts must be integers");
+    set_output_type(0, ov::element::f32, get_input_partial_shape(0));
+}
+
+std::shared_ptr<ov::Node> KvAttention::clone_with_new_inputs(const ov::OutputVector& args) const {
+    check_new_args_count(this, args);
+    auto node = std::make_shared<KvAttention>();
+    node->set_arguments(args);
+    node->m_layer = m_layer;
+    node->m_scale = m_scale;
+    node->constructor_validate_and_infer_types();
+    return node;
+}
+
+bool KvAttention::visit_attributes(ov::AttributeVisitor& visitor) {
+    visitor.on_attribute("layer", m_layer);
+    visitor.on_attribute("scale", m_scale);
+    return true;
+}
+
+bool KvAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto q_shape = inputs[0].get_shape(), kv_shape = inputs[1].get_shape();
+    const int64_t rows = static_cast<int64_t>(q_shape[0]), heads = static_cast<int64_t>(q_shape[1]);
+    const int64_t width = static_cast<int64_t>(q_shape[2]), dim = static_cast<int64_t>(q_shape[3]);
+    const int64_t kv_heads = static_cast<int64_t>(kv_shape[1]), group = heads / kv_heads;
+    const std::vector<int64_t> ids = integers(inputs[3]), pasts = integers(inputs[4]);
+    const float *q = inputs[0].data<const float>(), *k = inputs[1].data<const float>(),
+                *v = inputs[2].data<const float>();
+    // The pass's entries into each row's cache, after the entries it keeps.
+    std::vector<LayerCache*> layers(static_cast<size_t>(rows));
+    for (int64_t b = 0; b < rows; ++b) {
+        LayerCache& cache = *(layers[static_cast<size_t>(b)] = &layer_of(ids[b], m_layer, kv_heads, dim));
+        const int64_t past = pasts[b];
+        OPENVINO_ASSERT(past >= 0 && past <= cache.length, "KvAttention: a pass after ", past,
+                        " entries of a cache holding ", cache.length, " (cache ", ids[b], ", layer ", m_layer, ")");
+        cache.reserve(past + width);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t from = (b * kv_heads + h) * width * dim;
+            cache.put(cache.k, h, past, width, k + from);
+            cache.put(cache.v, h, past, width, v + from);
+        }
+        cache.length = past + width;
+    }
+    outputs[0].set_shape(q_shape);
+    float* out = outputs[0].data<float>();
+    // Each item: one query position of one row, for the query heads one KV head serves.
+    ov::parallel_for(rows * kv_heads * width, [&](int64_t item) {
+        const int64_t b = item / (kv_heads * width), g = item / width % kv_heads, t = item % width;
+        const size_t first = static_cast<size_t>(((b * heads + g * group) * width + t) * dim);
+        attend(q + first, group, width * dim, *layers[static_cast<size_t>(b)], g, pasts[b] + t + 1, m_scale,
+               out + first);
+    });
+    return true;
+}
+
+}  // namespace specchat
+
+using specchat::caches;
+using specchat::guard;
+
+namespace {
+
+specchat::LayerCache* find_layer(int64_t id, int64_t layer) {
+    std::lock_guard<std::mutex> lock(guard);
+    const auto found = caches.find(id);
+    if (found == caches.end() || static_cast<int64_t>(found->second->layers.size()) <= layer)
+        return nullptr;
+    return &found->second->layers[static_cast<size_t>(layer)];
+}
+
+}  // namespace
+
+// Cache `id`'s bytes held (every layer's blocks of keys and values).
+extern "C" int64_t specchat_kv_bytes(int64_t id) {
+    std::lock_guard<std::mutex> lock(guard);
+    const auto found = caches.find(id);
+    int64_t bytes = 0;
+    if (found != caches.end())
+        for (const auto& layer : found->second->layers)
+            bytes += 2 * layer.heads * layer.capacity() * layer.dim * static_cast<int64_t>(sizeof(float));
+    return bytes;
+}
+
+// Forget cache `id` and give its memory back.
+extern "C" void specchat_kv_free(int64_t id) {
+    std::lock_guard<std::mutex> lock(guard);
+    caches.erase(id);
+}
+
+// Layer `layer`'s first `length` keys (which 0) or values (1) of cache `id` into out [heads, length,
+// dim]; false where the cache holds fewer, or other heads or dims.
+extern "C" bool specchat_kv_read(int64_t id, int64_t layer, int which, float* out, int64_t heads, int64_t length,
+                                 int64_t dim) {
+    specchat::LayerCache* cache = find_layer(id, layer);
+    if (cache == nullptr || cache->length < length || cache->heads != heads || cache->dim != dim)
+        return false;
+    for (int64_t h = 0; h < heads; ++h)
+        cache->get(which == 0 ? cache->k : cache->v, h, 0, length, out + h * length * dim);
+    return true;
+}
+
+// Set layer `layer` of cache `id` to hold `length` entries, its keys (which 0) or values (1) from
+// in [heads, length, dim]; the blocks past them given back.
+extern "C" void specchat_kv_write(int64_t id, int64_t layer, int which, const float* in, int64_t heads,
+                                  int64_t length, int64_t dim) {
+    specchat::LayerCache& cache = specchat::layer_of(id, layer, heads, dim);
+    if (cache.heads != heads || cache.dim != dim)
+        cache = specchat::LayerCache{heads, dim};
+    cache.shrink(length);
+    cache.reserve(length);
+    for (int64_t h = 0; h < heads; ++h)
+        cache.put(which == 0 ? cache.k : cache.v, h, 0, length, in + h * length * dim);
+    cache.length = length;
+}
