@@ -436,6 +436,20 @@ def gguf_draft(hf_draft, tiny_dir, tiny_cache, library) -> Path:
     return on_ggml(hf_draft, "tiny-draft", tiny_dir, tiny_cache, library)
 
 
+@pytest.fixture(scope="module")
+def stateful_on_ggml(gguf_target, tiny_dir, library) -> Path:
+    """``gguf_target``'s exported graph rewritten onto the op, as the graph of a model the graphs
+    built from a file do not cover is (engine.prepare.ggml_ir.rewrite): its attention the
+    plugin's, over states."""
+    folder = tiny_dir / "gguf-ggml" / "stateful"
+    if not (folder / GGML_XML).exists():
+        shutil.copytree(gguf_target, folder, ignore=shutil.ignore_patterns(f"{Path(GGML_XML).stem}.*"))
+        model = ov.Core().read_model(folder / "openvino_model.xml")
+        ggml_ir.rewrite(model, gguf.GGUFReader(tiny_dir / "gguf-ggml" / "tiny-Q4_0.gguf"), library)
+        ov.save_model(model, folder / GGML_XML, compress_to_fp16=False)
+    return folder
+
+
 def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_target):
     model = ov.Core().read_model(gguf_target / "openvino_model.xml")
     layers = sum(n.get_type_name() == "MatMul" and n.get_attributes()["transpose_b"] for n in model.get_ordered_ops())
@@ -453,22 +467,35 @@ def test_every_linear_layer_and_the_head_of_a_gguf_model_run_on_the_op(gguf_targ
     assert sum(n.get_attributes()["residual"] for n in ours) == 2 * 2
 
 
-def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_would(gguf_target, library):
+def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_would(stateful_on_ggml, library):
     """The prompt reader on the same graph with ggml's batched kernels: its rows round differently (which is
     why where its passes fall is fixed by the conversation), within float rounding."""
     prompt = TOKENS * 8
-    own = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    own = Runtime(stateful_on_ggml, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     expected = own.forward(prompt, rows=1)
-    read = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
-    reader = Reader(gguf_target, EXACT_CONFIG, "f32", on=read)
+    read = Runtime(stateful_on_ggml, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    reader = Reader(stateful_on_ggml, EXACT_CONFIG, "f32", on=read)
     assert reader.label == "f32 · ggml kernels"
     for part in read_plan(len(prompt) - 1, width=16):
         reader.read(read, prompt[: part.stop], part)
     np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
 
 
-def test_auto_times_readers_on_both_kernels_and_the_short_run_they_read(gguf_target, library, caplog):
+def test_a_target_whose_cache_the_op_keeps_reads_prompts_with_its_own_passes_only(gguf_target, library, caplog):
+    """A stateless reader reads and writes the plugin's states, which such a target has none of."""
     target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    assert target.own is not None
+    with caplog.at_level(logging.INFO, logger="specchat.reader"):
+        chosen = fastest_reader(target)
+    assert f"prompt reader {GemmReader(library).label}:" in caplog.text
+    assert "prompt reader f32" not in caplog.text
+    assert chosen is None or isinstance(chosen, GemmReader)
+    with pytest.raises(EngineError, match="the prompt reader 'f32' reads into the plugin's states"):
+        Engine(gguf_target, None, Settings(config=EXACT_CONFIG, kernels="ggml", library=library, prompt_reader="f32"))
+
+
+def test_auto_times_readers_on_both_kernels_and_the_short_run_they_read(stateful_on_ggml, library, caplog):
+    target = Runtime(stateful_on_ggml, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
     with caplog.at_level(logging.INFO, logger="specchat.reader"):
         chosen = fastest_reader(target)
     for label in (GemmReader(library).label, "f32 · ggml kernels", "f32"):

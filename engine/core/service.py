@@ -257,6 +257,11 @@ class Engine:
             raise EngineError(f"unknown prompt reader '{choice}': choose one of {', '.join(READERS)}")
         if choice == "off":
             return None
+        if choice not in ("auto", "gemm") and self.target.own is not None:
+            raise EngineError(
+                f"the prompt reader '{choice}' reads into the plugin's states, and this target's cache is "
+                "the op's own (its graph was built from a GGUF): its own passes read prompts (gemm, auto or off)"
+            )
         if choice == "auto":
             kept = self.measured.get("prompt reader")
             if kept is not None:

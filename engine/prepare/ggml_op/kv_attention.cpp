@@ -195,8 +195,14 @@ bool KvAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& in
     const auto q_shape = inputs[0].get_shape(), kv_shape = inputs[1].get_shape();
     const int64_t rows = static_cast<int64_t>(q_shape[0]), heads = static_cast<int64_t>(q_shape[1]);
     const int64_t width = static_cast<int64_t>(q_shape[2]), dim = static_cast<int64_t>(q_shape[3]);
-    const int64_t kv_heads = static_cast<int64_t>(kv_shape[1]), group = heads / kv_heads;
+    const int64_t kv_heads = static_cast<int64_t>(kv_shape[1]);
     const std::vector<int64_t> ids = integers(inputs[3]), pasts = integers(inputs[4]);
+    OPENVINO_ASSERT(static_cast<int64_t>(ids.size()) == rows && static_cast<int64_t>(pasts.size()) == rows,
+                    "KvAttention: ", rows, " rows, ", ids.size(), " caches and ", pasts.size(), " pasts");
+    OPENVINO_ASSERT(kv_heads > 0 && heads % kv_heads == 0 && static_cast<int64_t>(kv_shape[2]) == width &&
+                        static_cast<int64_t>(kv_shape[3]) == dim,
+                    "KvAttention: q ", q_shape, " and k ", kv_shape, " do not go together");
+    const int64_t group = heads / kv_heads;  // (the query heads each KV head serves)
     const float *q = inputs[0].data<const float>(), *k = inputs[1].data<const float>(),
                 *v = inputs[2].data<const float>();
     // The pass's entries into each row's cache, after the entries it keeps.
