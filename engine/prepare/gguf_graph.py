@@ -10,7 +10,9 @@ token embedding's rows as the head where the file has no ``output.weight``):
 - on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml5.xml``): GgmlLinear nodes on the file's
   own rows, grouped and interleaved as :func:`engine.prepare.ggml_ir.rewrite` makes them from an
   exported IR (a layer's q, k and v in one node, its gate and up in another), each node norming
-  its input and adding its biases, SwiGLU and residual itself (:class:`engine.ggml.Fused`);
+  its input and adding its biases, SwiGLU and residual itself (:class:`engine.ggml.Fused`), and
+  each layer's attention a KvAttention node over a KV cache the op keeps (no states: a rollback is
+  a shorter length; engine.core.kv_cache);
 - on the plugin's (:class:`OnPlugin`, ``openvino_model.xml``): a MatMul per matrix on its blocks'
   codes, converted, minus the zero point, times the scale in f16 (gguf_blocks.subgraph: the
   compressed-weight pattern the plugin fuses into its kernels), named as the export names it.
@@ -19,10 +21,11 @@ token embedding's rows as the head where the file has no ``output.weight``):
 embedding's too, and both graphs read the same ones.
 
 The rest is laid out op for op as optimum-intel's stateful export lays it out
-(RMSNorm, RoPE from ``position_ids``, the KV cache in ReadValue/Assign variables gathered by
-``beam_idx``, grouped-query heads expanded before ScaledDotProductAttention), so that the CPU
-plugin fuses it as it fuses today's graph and :class:`engine.core.runtime.Runtime`, the batcher
-and the prompt reader use it as they use today's: same inputs, output and variable names.
+(RMSNorm, RoPE from ``position_ids``; on the plugin's kernels the KV cache in ReadValue/Assign
+variables gathered by ``beam_idx``, grouped-query heads expanded before ScaledDotProductAttention),
+so that the CPU plugin fuses it as it fuses today's graph and :class:`engine.core.runtime.Runtime`,
+the batcher and the prompt reader use it as they use today's: same inputs (the graph on ggml's
+kernels two more, each row's cache and the entries it keeps), output and variable names.
 
 What differs from today's graph, on purpose: the norms, biases and RoPE frequencies are the file's
 f32 values (the export carried them through fp16, and kept the RoPE frequencies as f16 constants:
