@@ -258,7 +258,14 @@ def linear(x: ov.Output, rows: np.ndarray, ggml_type: int, library: Path, interl
 
 
 def attention(
-    q: ov.Output, k: ov.Output, v: ov.Output, caches: ov.Output, pasts: ov.Output, layer: int, scale: float, library: Path
+    q: ov.Output,
+    k: ov.Output,
+    v: ov.Output,
+    caches: ov.Output,
+    pasts: ov.Output,
+    layer: int,
+    scale: float,
+    library: Path,
 ) -> ov.Output:
     """Layer ``layer``'s attention of ``q`` [B, H, T, D] over the KV caches the op keeps, after
     writing each row's new entries ``k`` and ``v`` [B, Hkv, T, D] into row b's cache ``caches[b]``

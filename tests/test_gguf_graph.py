@@ -309,7 +309,10 @@ def test_the_graphs_have_todays_inputs_output_states_and_linear_nodes(prepared, 
     cache = ("inputs", "variables", "stateless")
     assert {k: v for k, v in new.items() if k not in cache} == {k: v for k, v in old.items() if k not in cache}
     assert new["variables"] == [] and len(old["variables"]) == 2 * TINY_SHAPE["num_hidden_layers"]
-    assert [name for name, *_ in new["inputs"]] == [name for name, *_ in old["inputs"]] + [ggml.KV_CACHES, ggml.KV_PASTS]
+    assert [name for name, *_ in new["inputs"]] == [name for name, *_ in old["inputs"]] + [
+        ggml.KV_CACHES,
+        ggml.KV_PASTS,
+    ]
     assert [name for name, *_ in old["inputs"]] == [
         "input_ids",
         "attention_mask",
@@ -333,7 +336,12 @@ def test_the_plugin_fuses_them_as_it_fuses_todays(prepared, library, kernels):
     heads = 2 * layers * (prepared.architecture == "qwen3")
     norms = heads + (2 * layers + 1 if kernels == "openvino" else 0)
     counts, today = fused(prepared.new, on(kernels, library)), fused(prepared.old, on(kernels, library))
-    apart = ("RMS", "ScaledDotProductAttention", "MemoryInput", "Reference")  # (on ggml's kernels attention is the op's)
+    apart = (
+        "RMS",
+        "ScaledDotProductAttention",
+        "MemoryInput",
+        "Reference",
+    )  # (on ggml's kernels attention is the op's)
     assert counts - Counter({k: counts[k] for k in apart}) == today - Counter({k: today[k] for k in apart})
     assert today["RMS"] == heads + 2 * layers + 1
     assert counts["RMS"] == norms and counts["RoPE"] == 2 * layers

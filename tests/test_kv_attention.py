@@ -81,7 +81,10 @@ def test_a_row_is_the_same_bit_for_bit_at_any_pass_width(library, attention):
     attend(attention, q[:, :, :290], k[:, :, :290], v[:, :, :290], [wide], [0])
     attend(attention, q[:, :, :290], k[:, :, :290], v[:, :, :290], [narrow], [0])
     together = attend(attention, q[:, :, 290:], k[:, :, 290:], v[:, :, 290:], [wide], [290])
-    alone = [attend(attention, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], [narrow], [t]) for t in range(290, 300)]
+    alone = [
+        attend(attention, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], [narrow], [t])
+        for t in range(290, 300)
+    ]
     assert np.array_equal(together, np.concatenate(alone, axis=2))
     for cache in (wide, narrow):
         cache.free()
@@ -112,7 +115,9 @@ def test_rows_of_several_caches_in_one_pass_each_compute_what_they_compute_alone
     q, k, v = entries(2, 3, HEADS, 11), entries(2, 3, KV_HEADS, 12), entries(2, 3, KV_HEADS, 13)
     together = attend(attention, q, k, v, rows, [5, 40])
     for i, cache in enumerate(alone):
-        assert np.array_equal(together[i : i + 1], attend(attention, q[i : i + 1], k[i : i + 1], v[i : i + 1], [cache], [[5, 40][i]]))
+        assert np.array_equal(
+            together[i : i + 1], attend(attention, q[i : i + 1], k[i : i + 1], v[i : i + 1], [cache], [[5, 40][i]])
+        )
     for cache in rows + alone:
         cache.free()
 

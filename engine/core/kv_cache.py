@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ class OwnCache:
         self.library, self.native = library, _native(library)
         self.layers, self.heads, self.dim = layers, heads, dim
         self.id = next(_ids)
+        weakref.finalize(self, self.native.specchat_kv_free, self.id)  # (its memory goes with it)
 
     def other(self) -> OwnCache:
         """Another cache of the same shape, empty."""
@@ -76,4 +78,6 @@ class OwnCache:
         self.write({name: zero for _, _, name in self._names()}, length)
 
     def _names(self) -> list[tuple[int, int, str]]:
-        return [(layer, which, f"{layer}.{kind}") for layer in range(self.layers) for which, kind in enumerate(self.KINDS)]
+        return [
+            (layer, which, f"{layer}.{kind}") for layer in range(self.layers) for which, kind in enumerate(self.KINDS)
+        ]

@@ -186,12 +186,13 @@ class Runtime:
         self.label += IN_14_BITS if self.activations == 14 else ""
         self.max_context: int = int(hf_config.get("max_position_embeddings", 32768))
         precision: ov.Type = self.compiled.get_property("KV_CACHE_PRECISION")
-        self._kv_bytes_per_token = self._kv_bytes(hf_config, precision.bitwidth / 8)
+        own_cache = ggml.KV_CACHES in names  # (the op keeps its cache in f32, whatever the plugin's)
+        self._kv_bytes_per_token = self._kv_bytes(hf_config, 4 if own_cache else precision.bitwidth / 8)
         # A state holding no entries (every layer's keys and values: batch, KV heads, entries, head size).
         self.empty_state = np.zeros((1, _kv_heads(hf_config), 0, _head_dim(hf_config)), dtype=np.float32)
         # Where the graph's attention is the op's, the cache it keeps (engine.core.kv_cache): no states.
         self.own: OwnCache | None = None
-        if ggml.KV_CACHES in names:
+        if own_cache:
             assert kernels is not None
             layers = int(hf_config["num_hidden_layers"])
             self.own = OwnCache(kernels, layers, _kv_heads(hf_config), _head_dim(hf_config))
@@ -344,7 +345,10 @@ class Runtime:
         """Where the op keeps the cache: which one a pass writes, after how many entries."""
         if self.own is None:
             return {}
-        return {ggml.KV_CACHES: np.array([self.own.id], dtype=np.int64), ggml.KV_PASTS: np.array([past], dtype=np.int64)}
+        return {
+            ggml.KV_CACHES: np.array([self.own.id], dtype=np.int64),
+            ggml.KV_PASTS: np.array([past], dtype=np.int64),
+        }
 
     def forward(self, new_tokens: Sequence[int], rows: int = 1, gemm: bool = False) -> np.ndarray:
         """Append ``new_tokens`` to the cache; return logits of the last ``rows`` of them

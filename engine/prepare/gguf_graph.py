@@ -295,6 +295,10 @@ class Linears:
     def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
         raise NotImplementedError
 
+    def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float) -> ov.Output:
+        """Layer ``layer``'s attention, where it is the graph's own (:attr:`owns_attention`)."""
+        raise NotImplementedError
+
 
 def rms_norm(x: ov.Output, gamma: np.ndarray, eps: float, rank: int = 3) -> ov.Output:
     """x / sqrt(mean(x²) + eps) * gamma, in the export's ops (the plugin fuses them into its RMS
