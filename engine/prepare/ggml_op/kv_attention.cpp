@@ -112,44 +112,60 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return acc[0];
 }
 
-// The attention of `count` query rows (q, `stride` apart: the query heads a KV head serves) over
-// entries [0, n) of `cache`'s KV head `head`, into out (as far apart): each row's scores, their
-// softmax (ggml's, in double) and the values weighed by it, each key and value read once for all
-// the rows. A row's result depends on nothing but itself and the entries.
-void attend(const float* q, int64_t count, int64_t stride, LayerCache& cache, int64_t head, int64_t n, float scale,
-            float* out) {
+// Query rows a pass attends with at once: each key and value is read from memory once for them
+// all (the query heads a KV head serves, at up to TILE positions).
+constexpr int64_t TILE = 16;
+
+// One query row: where its query is, where its output goes, and how many entries it attends to.
+struct QueryRow {
+    const float* q;
+    float* out;
+    int64_t n;
+};
+
+// The attention of `rows` over the entries of `cache`'s KV head `head`: each row's scores over its
+// first n entries, their softmax (ggml's, in double) and the values weighed by it, key by key. A
+// row's result depends on nothing but its query and its entries, whatever rows it is computed
+// beside.
+void attend(const std::vector<QueryRow>& rows, LayerCache& cache, int64_t head, float scale) {
     thread_local std::vector<float> scores;
-    scores.resize(static_cast<size_t>(count * n));
+    int64_t longest = 0;
+    for (const auto& row : rows)
+        longest = std::max(longest, row.n);
+    scores.resize(static_cast<size_t>(rows.size() * longest));
     const int64_t dim = cache.dim;
-    std::vector<float> most(static_cast<size_t>(count), -std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; ++j) {
+    std::vector<float> most(rows.size(), -std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < longest; ++j) {
         const float* key = cache.at(cache.k, head, j);
-        for (int64_t r = 0; r < count; ++r) {
-            const float s = dot(q + r * stride, key, dim) * scale;
-            scores[static_cast<size_t>(r * n + j)] = s;
-            most[static_cast<size_t>(r)] = std::max(most[static_cast<size_t>(r)], s);
+        for (size_t r = 0; r < rows.size(); ++r) {
+            if (j >= rows[r].n)
+                continue;
+            const float s = dot(rows[r].q, key, dim) * scale;
+            scores[r * longest + j] = s;
+            most[r] = std::max(most[r], s);
         }
     }
-    std::vector<float> sums(static_cast<size_t>(count));
-    for (int64_t r = 0; r < count; ++r) {
-        float* row = scores.data() + r * n;
-        sums[static_cast<size_t>(r)] =
-            static_cast<float>(ggml_vec_soft_max_f32(static_cast<int>(n), row, row, most[static_cast<size_t>(r)]));
-        std::fill(out + r * stride, out + r * stride + dim, 0.0f);
+    std::vector<float> sums(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+        float* row = scores.data() + r * longest;
+        sums[r] = static_cast<float>(ggml_vec_soft_max_f32(static_cast<int>(rows[r].n), row, row, most[r]));
+        std::fill(rows[r].out, rows[r].out + dim, 0.0f);
     }
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < longest; ++j) {
         const float* value = cache.at(cache.v, head, j);
-        for (int64_t r = 0; r < count; ++r) {
-            const float weight = scores[static_cast<size_t>(r * n + j)];
-            float* y = out + r * stride;
+        for (size_t r = 0; r < rows.size(); ++r) {
+            if (j >= rows[r].n)
+                continue;
+            const float weight = scores[r * longest + j];
+            float* y = rows[r].out;
             for (int64_t d = 0; d < dim; ++d)
                 y[d] += weight * value[d];
         }
     }
-    for (int64_t r = 0; r < count; ++r) {
-        const float inverse = 1.0f / sums[static_cast<size_t>(r)];
+    for (size_t r = 0; r < rows.size(); ++r) {
+        const float inverse = 1.0f / sums[r];
         for (int64_t d = 0; d < dim; ++d)
-            out[r * stride + d] *= inverse;
+            rows[r].out[d] *= inverse;
     }
 }
 
@@ -222,12 +238,17 @@ bool KvAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& in
     }
     outputs[0].set_shape(q_shape);
     float* out = outputs[0].data<float>();
-    // Each item: one query position of one row, for the query heads one KV head serves.
-    ov::parallel_for(rows * kv_heads * width, [&](int64_t item) {
-        const int64_t b = item / (kv_heads * width), g = item / width % kv_heads, t = item % width;
-        const size_t first = static_cast<size_t>(((b * heads + g * group) * width + t) * dim);
-        attend(q + first, group, width * dim, *layers[static_cast<size_t>(b)], g, pasts[b] + t + 1, m_scale,
-               out + first);
+    // Each item: up to TILE query positions of one row, for the query heads one KV head serves.
+    const int64_t tiles = (width + TILE - 1) / TILE;
+    ov::parallel_for(rows * kv_heads * tiles, [&](int64_t item) {
+        const int64_t b = item / (kv_heads * tiles), g = item / tiles % kv_heads, first = item % tiles * TILE;
+        std::vector<QueryRow> queries;
+        for (int64_t t = first; t < std::min(width, first + TILE); ++t)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                const int64_t at = ((b * heads + h) * width + t) * dim;
+                queries.push_back({q + at, out + at, pasts[b] + t + 1});
+            }
+        attend(queries, *layers[static_cast<size_t>(b)], g, m_scale);
     });
     return true;
 }
