@@ -41,21 +41,16 @@ class Row:
     origins: list  # what wrote the entries the row came with (Runtime.origins); the batch writes the rest
 
 
-class Batch:
-    """The target's rows, one :meth:`step` at a time. ``template`` gives the compiled model (the
-    weights stay loaded once) and the context limit."""
+class Rows:
+    """What every batch holds: the target's rows, one pass at a time, on their own request.
+    ``template`` gives the compiled model (the weights stay loaded once) and the context limit."""
 
     def __init__(self, template: Runtime):
         self.compiled = template.compiled
-        self.empty_state = template.empty_state
         self.request = self.compiled.create_infer_request()
         self.max_context = template.max_context
         self.pass_inputs = template.pass_inputs()
-        self.kv_bytes_per_token = template.kv_bytes_per_token
         self.rows: list[Row] = []
-        self.slots = 0
-        self._physical: list[int] = []  # each row's index in the states as they are now
-        self._tails: list[int] = []  # each row's slots after its entries, fed padding or a rejected draft (keep)
         self.passes = 0
         self.last_seconds = 0.0
 
@@ -64,6 +59,18 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+class Batch(Rows):
+    """The target's rows in the plugin's states, one :meth:`step` at a time."""
+
+    def __init__(self, template: Runtime):
+        super().__init__(template)
+        self.empty_state = template.empty_state
+        self.kv_bytes_per_token = template.kv_bytes_per_token
+        self.slots = 0
+        self._physical: list[int] = []  # each row's index in the states as they are now
+        self._tails: list[int] = []  # each row's slots after its entries, fed padding or a rejected draft (keep)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -200,28 +207,13 @@ class Batch:
         self.rows, self._physical, self._tails, self.slots = [], [], [], 0
 
 
-class OwnBatch:
+class OwnBatch(Rows):
     """:class:`Batch`'s rows where the op keeps each conversation's cache (engine.core.kv_cache):
     a pass names each row's own cache and the entries it keeps, so nothing is copied in or out,
     rows of any lengths share a pass, and each row computes what it computes alone, bit for bit
     (the op's attention reads a row's entries only). A row fed fewer tokens than the widest is
     padded after them; the padding's entries lie past what the row keeps, written over by its next
     pass."""
-
-    def __init__(self, template: Runtime):
-        self.compiled = template.compiled
-        self.request = self.compiled.create_infer_request()
-        self.max_context = template.max_context
-        self.pass_inputs = template.pass_inputs()
-        self.rows: list[Row] = []
-        self.passes = 0
-        self.last_seconds = 0.0
-
-    def __contains__(self, key: Hashable) -> bool:
-        return any(row.key == key for row in self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     @property
     def kv_cache_bytes(self) -> int:
