@@ -20,6 +20,7 @@ from openvino import opset13 as ops
 
 from engine import ggml
 from engine.core import graph, hugepages, screen
+from engine.core.batch import OwnBatch, batch_for
 from engine.core.measured import Measured
 from engine.core.pacing import Pacing
 from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
@@ -835,3 +836,30 @@ def test_without_transparent_huge_pages_the_weights_stay_where_they_are(library,
     addresses = weight_addresses(model)
     assert hugepages.move_weights(model) is None
     assert weight_addresses(model) == addresses
+
+
+def test_rows_of_a_target_whose_cache_the_op_keeps_batch_without_copies_and_as_they_run_alone(gguf_target, library):
+    """OwnBatch: rows of different lengths and widths in one pass, each its lone logits bit for bit;
+    a cut is a shorter row; a leaving row's own cache holds what the row held."""
+    template = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    homes, alone = [template.fork() for _ in range(2)], [template.fork() for _ in range(2)]
+    prompts = [TOKENS[:5], TOKENS * 2]
+    for runtimes in (homes, alone):
+        for runtime, prompt in zip(runtimes, prompts):
+            runtime.forward(prompt)
+    batch = batch_for(template)
+    assert isinstance(batch, OwnBatch)
+    batch.join(list(enumerate(homes)))
+    feeds = [[3, 4, 5], [6]]
+    together = batch.step(feeds)
+    for runtime, feed, logits in zip(alone, feeds, together):
+        assert np.array_equal(runtime.forward(feed, rows=len(feed)), logits)
+    batch.keep([len(prompts[0]) + 1, len(prompts[1]) + 1])  # (the first row's last two tokens rejected)
+    alone[0].trim(len(prompts[0]) + 1)
+    again = batch.step([[7], [8]])
+    for runtime, feed, logits in zip(alone, [[7], [8]], again):
+        assert np.array_equal(runtime.forward(feed), logits)
+    batch.leave(0)
+    assert homes[0].tokens == alone[0].tokens
+    assert np.array_equal(homes[0].forward([9]), alone[0].forward([9]))
+    assert batch.kv_cache_bytes == 0 and len(batch) == 1
