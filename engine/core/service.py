@@ -175,8 +175,10 @@ class Engine:
         """The settings' prompt reader, where the budget holds it beside ``wanted`` tokens of input.
         A stateless reader copies the cache it reads into; on the plugin's kernels it holds a copy
         of the target's weights too (on ggml's it shares them). The target's own passes with
-        ggml's gemm need neither."""
+        ggml's gemm need neither, and are the only reader of a target whose cache the op keeps."""
         limit, choice = self.settings.memory_limit, self.settings.prompt_reader
+        if self.target.own is not None:
+            return self._reader(choice, plugin=False, stateless=False)
         stateless = self._affords_reader(limit, per_token, 0, wanted, "a stateless")
         plugin = stateless and self._affords_reader(limit, per_token, target_bytes, wanted, "the plugin's")
         if choice == "auto" and not stateless and self.target.model is None:
