@@ -48,7 +48,7 @@ class OwnCache:
 
     @property
     def bytes(self) -> int:
-        """What the op holds for it (its capacity: it grows by doubling)."""
+        """What the op holds for it (whole blocks of 256 entries a layer, kept until freed)."""
         return int(self.native.specchat_kv_bytes(self.id))
 
     def free(self) -> None:

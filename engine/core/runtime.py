@@ -131,7 +131,8 @@ class Runtime:
         copying the cache. For the draft, copying every state out and back in costs about a third
         of one of its steps, and slows its next step by as much (docs/design.md, "Rollback by masking"); masking
         costs nothing, but the attention sums then run over other slots and may round
-        differently. So it is for the draft, whose rounding cannot change the output.
+        differently. So it is for the draft, whose rounding cannot change the output. (A graph
+        whose cache the op keeps rolls back by length whatever this says: free and exact.)
 
         ``pass_width``: :meth:`sync` feeds at least this many tokens per pass, re-feeding cached
         ones (rolled back for free when masked). The CPU plugin pays a setup cost on every pass
