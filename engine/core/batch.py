@@ -222,6 +222,8 @@ class OwnBatch(Rows):
 
     def join(self, members: Sequence[tuple[Hashable, Runtime]]) -> None:
         """Add a row per ``(key, home)``, reading and writing ``home``'s cache."""
+        if any(home.own is None for _, home in members):
+            raise ValueError("a row of these batches needs a cache the op keeps")
         self.rows += [Row(key, home, list(home.tokens), list(home.origins)) for key, home in members]
 
     def leave(self, key: Hashable, write_back: bool = True) -> None:
@@ -245,7 +247,6 @@ class OwnBatch(Rows):
         ids = np.zeros((len(feeds), fed), dtype=np.int64)
         for i, feed in enumerate(feeds):
             ids[i, : len(feed)] = feed
-        caches = [row.home.own for row in self.rows]
         start = time.perf_counter()
         self.request.infer(
             {
@@ -254,7 +255,7 @@ class OwnBatch(Rows):
                 "position_ids": (lengths[:, None] + np.arange(fed)[None]).astype(np.int64),
                 "beam_idx": np.arange(len(feeds), dtype=np.int32),
                 "logits_to_keep": np.array([fed], dtype=np.int64),
-                ggml.KV_CACHES: np.array([cache.id for cache in caches if cache is not None], dtype=np.int64),
+                ggml.KV_CACHES: np.array([row.home.own.id for row in self.rows], dtype=np.int64),  # type: ignore[union-attr]
                 ggml.KV_PASTS: lengths.astype(np.int64),
                 **self.pass_inputs,
             }

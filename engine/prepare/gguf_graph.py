@@ -546,7 +546,8 @@ class _Builder:
         angles = ops.concat([angles, angles], -1)
         cos = ops.unsqueeze(ops.cos(angles), _constant(1, np.int64)).output(0)
         sin = ops.unsqueeze(ops.sin(angles), _constant(1, np.int64)).output(0)
-        scale = _constant(1.0 / np.sqrt(shape.head_dim))
+        root = 1.0 / np.sqrt(shape.head_dim)  # (what q . k is scaled by)
+        scale = _constant(root)
 
         # (the export's variable ids: its past input's name and its present output's, which the
         # prompt reader's stateless copy splits back into an input and an output: engine.core.reader)
@@ -564,7 +565,7 @@ class _Builder:
             k = self.rope(self.heads(k, shape.kv_heads, f"{block}.attn_k_norm"), cos, sin)
             v = self.heads(v, shape.kv_heads, None)
             if own:
-                attended = self.multiply.attention(q, k, v, i, 1.0 / np.sqrt(shape.head_dim))
+                attended = self.multiply.attention(q, k, v, i, float(root))
             else:
                 (past_k, key_variable), (past_v, value_variable) = caches[i]
                 keys, values = self.extend(past_k, k, key_variable), self.extend(past_v, v, value_variable)
