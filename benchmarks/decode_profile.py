@@ -161,7 +161,7 @@ def node_profile(target: Path, prompt: list[int], steps: int, kernels: Kernels) 
     by_type: dict[str, float] = defaultdict(float)
 
     def tally() -> None:
-        for info in runtime.request.profiling_info:
+        for info in runtime.pass_request(1).profiling_info:
             by_type[info.node_type] += info.real_time.total_seconds()
 
     wall = sum(timed_steps(runtime, prompt, steps, tally))

@@ -22,11 +22,12 @@ from engine import ggml
 from engine.core import graph, hugepages, screen
 from engine.core.batch import OwnBatch, batch_for
 from engine.core.measured import Measured
+from engine.core.modes import BEST_K
 from engine.core.pacing import Pacing
 from engine.core.reader import SHORT_RUN, GemmReader, Reader, fastest_reader
 from engine.core.reading import SHORTEST_RUN, ReadPass, ReadPath, read_plan
 from engine.core.requests import Request
-from engine.core.runtime import EXACT_CONFIG, Runtime
+from engine.core.runtime import EXACT_CONFIG, FIXED_WIDTHS, Runtime
 from engine.core.service import Engine, on_kernels
 from engine.core.settings import Settings
 from engine.errors import EngineError
@@ -863,3 +864,24 @@ def test_rows_of_a_target_whose_cache_the_op_keeps_batch_without_copies_and_as_t
     assert homes[0].tokens == alone[0].tokens
     assert np.array_equal(homes[0].forward([9]), alone[0].forward([9]))
     assert batch.kv_cache_bytes == 0 and len(batch) == 1
+
+
+def test_passes_on_the_copies_compiled_for_their_width_compute_what_the_dynamic_graph_does(gguf_target, library):
+    """FixedWidths: a cache's passes at the fixed widths, between passes at others, and a fork's
+    passes on the same copies, give the logits of the graph of dynamic shapes bit for bit."""
+    fixed = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library, fixed_widths=(1, 2))
+    dynamic = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library, fixed_widths=())
+    twin = fixed.fork()
+    feeds = [TOKENS, [3], [4, 5], [6, 7, 8], [9], [10, 11]]
+    for feed in feeds:
+        expected = dynamic.forward(feed, rows=len(feed))
+        assert np.array_equal(fixed.forward(feed, rows=len(feed)), expected)
+        assert np.array_equal(twin.forward(feed, rows=len(feed)), expected)
+    assert fixed.fixed is twin.fixed and fixed.fixed is not None and dynamic.fixed is not None
+    assert fixed.pass_request(1) is not fixed.request and fixed.pass_request(3) is fixed.request
+    assert twin.pass_request(2) is not fixed.pass_request(2)  # (each cache its own requests)
+    assert dynamic.pass_request(1) is dynamic.request
+
+
+def test_the_paced_modes_verify_width_runs_on_a_copy_compiled_for_it():
+    assert {1, 2, BEST_K + 1} <= set(FIXED_WIDTHS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -52,6 +53,12 @@ DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # A masked rollback compacts the cache once it holds more dropped entries than this; the
 # compaction costs one ordinary trim.
 MAX_MASKED = 64
+# The pass widths of one row a graph whose cache the op keeps runs on copies compiled for that
+# width alone (FixedWidths): a plain step, a draft's 2-token pass and a 1-token verify, and a
+# verify of the paced mode's K = 4 drafts (engine.core.modes.BEST_K + 1).
+FIXED_WIDTHS = (1, 2, 5)
+# The inputs whose second dimension is a pass's width (the tokens and their positions).
+WIDTH_INPUTS = ("input_ids", "position_ids")
 
 
 def _kv_heads(cfg: dict) -> int:
@@ -99,6 +106,43 @@ def supported_activations(bits: int | None, library: Path) -> int:
     return bits
 
 
+class FixedWidths:
+    """Copies of a graph whose cache the op keeps, each compiled for passes of one row ``width``
+    tokens wide, every other shape fixed too: on them the plugin infers no shapes between nodes
+    (for a custom op, in a graph of dynamic shapes, it wraps every input in a Constant and clones
+    the node on every pass) and lays out its buffers once. A draft step took 0.8 of the dynamic
+    graph's time on an AVX-512 AMD EPYC, a plain target step 0.86, their logits bit for bit
+    the same (docs/benchmarks.md, "Passes of fixed shapes"). Their weights are the graph's
+    constants, shared, not copied (about 10 MB of buffers a copy); the caches are the op's, so
+    any copy passes over any cache. Each is compiled on its first pass (half a second for the
+    default target) and shared by a runtime's forks."""
+
+    def __init__(self, model: ov.Model, core: ov.Core, device: str, config: dict, widths: Sequence[int]):
+        self.model, self.core, self.device, self.config = model, core, device, config
+        self.widths = frozenset(widths)
+        self._compiled: dict[int, ov.CompiledModel] = {}
+        self._lock = threading.Lock()  # (forks on other threads may pass at a new width at once)
+
+    def compiled(self, width: int) -> ov.CompiledModel | None:
+        """The copy for passes ``width`` tokens wide; None where that width has none."""
+        if width not in self.widths:
+            return None
+        with self._lock:
+            if width not in self._compiled:
+                fixed = self.model.clone()
+                fixed.reshape({i.get_any_name(): self._shape(i, width) for i in fixed.inputs})
+                self._compiled[width] = self.core.compile_model(fixed, self.device, self.config)
+            return self._compiled[width]
+
+    @staticmethod
+    def _shape(model_input: ov.Output, width: int) -> ov.PartialShape:
+        """One row of ``width`` tokens; dimensions past the first that are not the width's kept as
+        they are (the attention mask, unused where the op keeps the cache, grows with it)."""
+        if model_input.get_any_name() in WIDTH_INPUTS:
+            return ov.PartialShape([1, width])
+        return ov.PartialShape([ov.Dimension(1), *list(model_input.get_partial_shape())[1:]])
+
+
 class Runtime:
     """One model, one request, one KV cache."""
 
@@ -114,6 +158,7 @@ class Runtime:
         first_token_alone: bool = False,
         kernels: Path | None = None,
         activations: int | None = None,
+        fixed_widths: Sequence[int] = FIXED_WIDTHS,
     ):
         """``kept_ids``: compute logits for these token ids only (a cheaper draft head: FR-Spec's,
         engine.core.draft_vocab), most wanted first; every other id gets -inf, so a row still spans
@@ -145,7 +190,10 @@ class Runtime:
         first pass into an empty cache rounds differently with its width (docs/design.md, "Why
         greedy speculative output is exact"). Starting every cache with one token makes the cache
         entries, and so the answer, the same whatever the cache held before and however the
-        prompt is chunked. For the target, whose rounding is the output."""
+        prompt is chunked. For the target, whose rounding is the output.
+
+        ``fixed_widths``: where the op keeps the cache, passes of one row this many tokens wide
+        run on copies of the graph compiled for that width alone (:class:`FixedWidths`)."""
         if pass_width > 1 and not masked_rollback:
             raise ValueError("pass_width > 1 re-feeds a cached token every step: it needs masked_rollback")
         core = core or ov.Core()
@@ -197,6 +245,8 @@ class Runtime:
             assert kernels is not None
             layers = int(hf_config["num_hidden_layers"])
             self.own = OwnCache(kernels, layers, _kv_heads(hf_config), _head_dim(hf_config))
+        self.fixed = FixedWidths(model, core, device, self.config, fixed_widths) if own_cache else None
+        self._requests: dict[int, ov.InferRequest] = {}  # (this cache's requests on self.fixed's copies)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         # What wrote each of them: a prompt reader's pass (engine.core.reader), None for this
         # request's own passes. A reader's entries round with where its pass started and ended.
@@ -215,6 +265,7 @@ class Runtime:
         """Another KV cache, empty, on the same compiled model: the weights stay loaded once."""
         twin = copy.copy(self)
         twin.request = self.compiled.create_infer_request()
+        twin._requests = {}
         twin.own = self.own.other() if self.own is not None else None
         twin.passes = 0
         twin.reset()
@@ -362,7 +413,8 @@ class Runtime:
         if past + m > self.max_context:
             raise ContextLimitError(f"{past + m} tokens exceed the model's context of {self.max_context}")
         self._mask = np.concatenate([self._mask, np.ones(m, dtype=np.int64)])
-        self.request.infer(
+        request = self.pass_request(m)
+        request.infer(
             {
                 "input_ids": np.asarray([new_tokens], dtype=np.int64),
                 "attention_mask": self._mask[None],
@@ -376,7 +428,17 @@ class Runtime:
         self.tokens.extend(new_tokens)
         self.origins.extend([None] * m)
         self.passes += 1
-        return self.request.get_tensor("logits").data[0].astype(np.float32, copy=True)
+        return request.get_tensor("logits").data[0].astype(np.float32, copy=True)
+
+    def pass_request(self, width: int) -> ov.InferRequest:
+        """The request a pass of one row ``width`` tokens wide runs on: on a copy of the graph
+        compiled for that width (:attr:`fixed`), else on the graph of dynamic shapes."""
+        compiled = self.fixed.compiled(width) if self.fixed is not None else None
+        if compiled is None:
+            return self.request
+        if width not in self._requests:
+            self._requests[width] = compiled.create_infer_request()
+        return self._requests[width]
 
     def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[int]:
         """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of

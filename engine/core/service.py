@@ -45,7 +45,7 @@ from engine.core.reader import (
     named_reader,
 )
 from engine.core.requests import Event, Request, Stream
-from engine.core.runtime import DRAFT_CONFIG, TARGET_CONFIG, Runtime, supported_activations
+from engine.core.runtime import DRAFT_CONFIG, FIXED_WIDTHS, TARGET_CONFIG, Runtime, supported_activations
 from engine.core.scheduler import Scheduler
 from engine.core.sessions import MAX_SESSIONS, Opening, SessionPool
 from engine.core.settings import BATCHING, DEFAULTS, KERNELS, Settings
@@ -506,7 +506,8 @@ def _depends_on(target_dir: Path, draft_dir: Path | None, s: Settings) -> dict[s
             s.memory_limit,
             s.max_input_tokens,
         ],
-        "kernels": [s.kernels, str(s.library), s.activations, s.prompt_reader, BEST_K, COPY_WIDTHS, DRAFT_PASS_WIDTH],
+        "kernels": [s.kernels, str(s.library), s.activations, s.prompt_reader],
+        "widths": [BEST_K, COPY_WIDTHS, DRAFT_PASS_WIDTH, FIXED_WIDTHS],
     }
 
 
