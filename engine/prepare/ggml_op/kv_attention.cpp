@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "openvino/core/parallel.hpp"
 #include "vec.h"  // (ggml-cpu's: llama.cpp's softmax)
 
@@ -95,26 +97,63 @@ LayerCache& layer_of(int64_t id, int64_t layer, int64_t heads, int64_t dim) {
     return entry;
 }
 
-// a . b over n values, summed in LANES lanes (value i in lane i % LANES), then the lanes pairwise:
-// one order whatever the caller (the compiler keeps each lane's sum a vector lane's).
+// a . b over n values, summed in LANES lanes (value i in lane i % LANES), then the lanes pairwise
+// (lane l + lane l + 8, then + 4, + 2, + 1): one order whatever the caller. The lanes stay in two
+// registers throughout (summed through memory, a decode step's attention took 4 times as long,
+// stalled on store forwarding).
 constexpr int LANES = 16;
 inline float dot(const float* a, const float* b, int64_t n) {
-    float acc[LANES] = {};
+    __m256 low = _mm256_setzero_ps(), high = low;  // (lanes 0-7 and 8-15)
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; ++l)
-            acc[l] += a[i + l] * b[i + l];
-    for (; i < n; ++i)
-        acc[i % LANES] += a[i] * b[i];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l)
-            acc[l] += acc[l + width];
-    return acc[0];
+    for (; i + LANES <= n; i += LANES) {
+        low = _mm256_add_ps(low, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        high = _mm256_add_ps(high, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+    }
+    if (i < n) {
+        alignas(32) float acc[LANES];
+        _mm256_store_ps(acc, low);
+        _mm256_store_ps(acc + 8, high);
+        for (; i < n; ++i)
+            acc[i % LANES] += a[i] * b[i];
+        low = _mm256_load_ps(acc);
+        high = _mm256_load_ps(acc + 8);
+    }
+    const __m256 eight = _mm256_add_ps(low, high);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// out[d] += each of `count` entries' weight times its value, entry by entry (so each out[d] sums
+// in the entries' order), for values [first, first + count) of KV head `head`: 32 of out's values
+// at a time held in registers over every entry.
+template <class Values>
+inline void add_weighted(float* out, int64_t dim, const float* weights, int64_t first, int64_t count, Values value) {
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {
+        __m256 y[4];
+        for (int c = 0; c < 4; ++c)
+            y[c] = _mm256_loadu_ps(out + d + 8 * c);
+        for (int64_t j = 0; j < count; ++j) {
+            const __m256 w = _mm256_set1_ps(weights[j]);
+            const float* v = value(first + j) + d;
+            for (int c = 0; c < 4; ++c)
+                y[c] = _mm256_add_ps(y[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+        }
+        for (int c = 0; c < 4; ++c)
+            _mm256_storeu_ps(out + d + 8 * c, y[c]);
+    }
+    for (; d < dim; ++d)
+        for (int64_t j = 0; j < count; ++j)
+            out[d] += weights[j] * value(first + j)[d];
 }
 
 // Query rows a pass attends with at once: each key and value is read from memory once for them
 // all (the query heads a KV head serves, at up to TILE positions).
 constexpr int64_t TILE = 16;
+// Entries whose values are added to every row of a tile before the next span's (64 entries of 128
+// values: 32 KB).
+constexpr int64_t VALUE_SPAN = 64;
 
 // One query row: where its query is, where its output goes, and how many entries it attends to.
 struct QueryRow {
@@ -151,17 +190,15 @@ void attend(const std::vector<QueryRow>& rows, LayerCache& cache, int64_t head, 
         sums[r] = static_cast<float>(ggml_vec_soft_max_f32(static_cast<int>(rows[r].n), row, row, most[r]));
         std::fill(rows[r].out, rows[r].out + dim, 0.0f);
     }
-    for (int64_t j = 0; j < longest; ++j) {
-        const float* value = cache.at(cache.v, head, j);
+    // The values a span of entries at a time, for every row (a span's values stay in cache for the
+    // rows after the first).
+    const auto value = [&](int64_t j) { return cache.at(cache.v, head, j); };
+    for (int64_t first = 0; first < longest; first += VALUE_SPAN)
         for (size_t r = 0; r < rows.size(); ++r) {
-            if (j >= rows[r].n)
-                continue;
-            const float weight = scores[r * longest + j];
-            float* y = rows[r].out;
-            for (int64_t d = 0; d < dim; ++d)
-                y[d] += weight * value[d];
+            const int64_t count = std::min(rows[r].n, first + VALUE_SPAN) - first;
+            if (count > 0)
+                add_weighted(rows[r].out, dim, scores.data() + r * longest + first, first, count, value);
         }
-    }
     for (size_t r = 0; r < rows.size(); ++r) {
         const float inverse = 1.0f / sums[r];
         for (int64_t d = 0; d < dim; ++d)
