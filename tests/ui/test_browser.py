@@ -177,9 +177,10 @@ def test_system_prompt_footer_header_and_continue_extend_a_capped_answer_exactly
     send(page, "def add(a, b):", "best")
     footer = page.locator(FOOTERS).inner_text()
     assert "best · 16 tokens" in footer and "tokens/s" in footer and "acceptance" in footer
+    # (the header is drawn in the update after the answer's last: waited for, not raced)
+    page.wait_for_function("() => !document.querySelector('#header').innerText.includes('context 0 ')")
     header = page.inner_text("#header")
     assert "target" in header and "draft" in header and f"/ {engine.max_context:,} tokens" in header
-    assert "context 0 " not in header
     page.evaluate(WATCH)
     page.get_by_role("button", name="Continue ▸").click()  # the cut answer's footer offers it
     finished(page)
