@@ -10,6 +10,7 @@ import mmap
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import gguf
@@ -885,3 +886,26 @@ def test_passes_on_the_copies_compiled_for_their_width_compute_what_the_dynamic_
 
 def test_the_paced_modes_verify_width_runs_on_a_copy_compiled_for_it():
     assert {1, 2, BEST_K + 1} <= set(FIXED_WIDTHS)
+
+
+def test_batched_plain_steps_move_onto_a_copy_of_fixed_shapes_once_compiled_and_compute_alike(gguf_target, library):
+    """A batched plain step's shape is compiled in the background on its first pass; passes until
+    then run on the dynamic graph, those after on the copy, each row its lone logits bit for bit."""
+    template = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    homes, alone = [template.fork() for _ in range(2)], [template.fork() for _ in range(2)]
+    for runtimes in (homes, alone):
+        for runtime, prompt in zip(runtimes, [TOKENS[:5], TOKENS]):
+            runtime.forward(prompt)
+    batch = batch_for(template)
+    batch.join(list(enumerate(homes)))
+    deadline = time.monotonic() + 120
+    for token in itertools.count(3):
+        on_copy = template.fixed.compiled(1, rows=2) is not None
+        together = batch.step([[token], [token + 1]])
+        for runtime, feed, logits in zip(alone, [[token], [token + 1]], together):
+            assert np.array_equal(runtime.forward(feed), logits)
+        if on_copy:
+            break
+        assert time.monotonic() < deadline, "the batched step's copy was never compiled"
+        time.sleep(0.2)
+    assert batch._request(2, 1) is not batch.request and batch._request(2, 3) is batch.request

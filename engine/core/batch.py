@@ -215,6 +215,11 @@ class OwnBatch(Rows):
     padded after them; the padding's entries lie past what the row keeps, written over by its next
     pass."""
 
+    def __init__(self, template: Runtime):
+        super().__init__(template)
+        self.fixed = template.fixed
+        self._requests: dict[tuple[int, int], ov.InferRequest] = {}  # (on self.fixed's copies, by shape)
+
     @property
     def kv_cache_bytes(self) -> int:
         """Nothing beyond the rows' own caches, which their conversations count."""
@@ -248,7 +253,8 @@ class OwnBatch(Rows):
         for i, feed in enumerate(feeds):
             ids[i, : len(feed)] = feed
         start = time.perf_counter()
-        self.request.infer(
+        request = self._request(len(feeds), fed)
+        request.infer(
             {
                 "input_ids": ids,
                 "attention_mask": np.ones((len(feeds), fed), dtype=np.int64),
@@ -265,8 +271,18 @@ class OwnBatch(Rows):
             row.tokens += feed
             row.origins += [None] * len(feed)
         self.passes += 1
-        logits = self.request.get_tensor("logits").data
+        logits = request.get_tensor("logits").data
         return [logits[i, : len(feed)].astype(np.float32, copy=True) for i, feed in enumerate(feeds)]
+
+    def _request(self, rows: int, width: int) -> ov.InferRequest:
+        """The request a pass of ``rows`` rows ``width`` tokens wide runs on: on a copy of the
+        graph compiled for that shape where there is one (``Runtime.fixed``), else the batch's own."""
+        compiled = self.fixed.compiled(width, rows) if self.fixed is not None else None
+        if compiled is None:
+            return self.request
+        if (rows, width) not in self._requests:
+            self._requests[rows, width] = compiled.create_infer_request()
+        return self._requests[rows, width]
 
     def keep(self, lengths: Sequence[int]) -> None:
         """Cut row i back to its first ``lengths[i]`` tokens: free (its next pass writes after them)."""
@@ -278,6 +294,7 @@ class OwnBatch(Rows):
         for row in self.rows:
             row.home.release()
         self.request = self.compiled.create_infer_request()
+        self._requests = {}
         self.rows = []
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -107,40 +108,64 @@ def supported_activations(bits: int | None, library: Path) -> int:
 
 
 class FixedWidths:
-    """Copies of a graph whose cache the op keeps, each compiled for passes of one row ``width``
-    tokens wide, every other shape fixed too: on them the plugin infers no shapes between nodes
-    (for a custom op, in a graph of dynamic shapes, it wraps every input in a Constant and clones
-    the node on every pass) and lays out its buffers once. A draft step took 0.8 of the dynamic
-    graph's time on an AVX-512 AMD EPYC, a plain target step 0.86, their logits bit for bit
+    """Copies of a graph whose cache the op keeps, each compiled for passes of one shape (rows and
+    width), every other shape fixed too: on them the plugin infers no shapes between nodes (for a
+    custom op, in a graph of dynamic shapes, it wraps every input in a Constant and clones the node
+    on every pass) and lays out its buffers once. A draft step took 0.74-0.8 of the dynamic
+    graph's time on an AVX-512 AMD EPYC, a plain target step 0.83-0.86, their logits bit for bit
     the same (docs/benchmarks.md, "Passes of fixed shapes"). Their weights are the graph's
     constants, shared, not copied (about 10 MB of buffers a copy); the caches are the op's, so
-    any copy passes over any cache. Each is compiled on its first pass (half a second for the
-    default target) and shared by a runtime's forks."""
+    any copy passes over any cache. A row alone at ``widths`` is compiled on its first pass (half
+    a second for the default target, as start warms them up); a batched plain step (several rows,
+    one token each) is compiled in the background on its first pass, which and every pass of its
+    shape until then run on the dynamic graph. Shared by a runtime's forks and its batches."""
 
     def __init__(self, model: ov.Model, core: ov.Core, device: str, config: dict, widths: Sequence[int]):
         self.model, self.core, self.device, self.config = model, core, device, config
         self.widths = frozenset(widths)
-        self._compiled: dict[int, ov.CompiledModel] = {}
+        self._compiled: dict[tuple[int, int], ov.CompiledModel | None] = {}  # (None: it failed)
+        self._pending: dict[tuple[int, int], Future] = {}
         self._lock = threading.Lock()  # (forks on other threads may pass at a new width at once)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fixed-shapes")
 
-    def compiled(self, width: int) -> ov.CompiledModel | None:
-        """The copy for passes ``width`` tokens wide; None where that width has none."""
-        if width not in self.widths:
+    def compiled(self, width: int, rows: int = 1) -> ov.CompiledModel | None:
+        """The copy for passes of ``rows`` rows ``width`` tokens wide; None where that shape has
+        none (yet)."""
+        shape = (rows, width)
+        if rows == 1 and width in self.widths:
+            with self._lock:
+                if shape not in self._compiled:
+                    self._compiled[shape] = self._compile(shape)
+                return self._compiled[shape]
+        if rows == 1 or width != 1:
             return None
         with self._lock:
-            if width not in self._compiled:
-                fixed = self.model.clone()
-                fixed.reshape({i.get_any_name(): self._shape(i, width) for i in fixed.inputs})
-                self._compiled[width] = self.core.compile_model(fixed, self.device, self.config)
-            return self._compiled[width]
+            if shape not in self._compiled and shape not in self._pending:
+                self._pending[shape] = self._background.submit(self._compile, shape)
+            done = self._pending.get(shape)
+            if done is not None and done.done():
+                del self._pending[shape]
+                try:
+                    self._compiled[shape] = done.result()
+                except RuntimeError as exc:  # (the dynamic graph serves that shape on)
+                    log.warning("batched steps of %d rows: no copy of fixed shapes (%s)", rows, exc)
+                    self._compiled[shape] = None
+            return self._compiled.get(shape)
+
+    def _compile(self, shape: tuple[int, int]) -> ov.CompiledModel:
+        fixed = self.model.clone()
+        fixed.reshape({i.get_any_name(): self._shape(i, *shape) for i in fixed.inputs})
+        return self.core.compile_model(fixed, self.device, self.config)
 
     @staticmethod
-    def _shape(model_input: ov.Output, width: int) -> ov.PartialShape:
-        """One row of ``width`` tokens; dimensions past the first that are not the width's kept as
-        they are (the attention mask, unused where the op keeps the cache, grows with it)."""
+    def _shape(model_input: ov.Output, rows: int, width: int) -> ov.PartialShape:
+        """``rows`` rows of ``width`` tokens: every dynamic first dimension is the rows'; other
+        dimensions than the tokens' kept as they are (the attention mask, unused where the op keeps
+        the cache, grows with it)."""
         if model_input.get_any_name() in WIDTH_INPUTS:
-            return ov.PartialShape([1, width])
-        return ov.PartialShape([ov.Dimension(1), *list(model_input.get_partial_shape())[1:]])
+            return ov.PartialShape([rows, width])
+        dims = list(model_input.get_partial_shape())
+        return ov.PartialShape([ov.Dimension(rows) if dims[0].is_dynamic else dims[0], *dims[1:]])
 
 
 class Runtime:
