@@ -196,7 +196,7 @@ def probe(args: argparse.Namespace) -> None:
     kind = int(weights[0].tensor_type)
     one_row: dict[str, ov.CompiledModel] = {}  # (each way compiled for 1 row, the first of ROWS)
     for m in ROWS:
-        # (each graph compiled for m rows, as the engine runs the widths it decodes at: FixedWidths)
+        # (each graph compiled for m rows, as the engine runs the widths it decodes at: FixedShapes)
         compiled = {name: core.compile_model(rows_of(model, m), "CPU", TARGET_CONFIG) for name, model in models.items()}
         one_row = one_row or compiled
         x = rng.standard_normal((m, k)).astype(np.float32)

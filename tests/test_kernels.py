@@ -868,7 +868,7 @@ def test_rows_of_a_target_whose_cache_the_op_keeps_batch_without_copies_and_as_t
 
 
 def test_passes_on_the_copies_compiled_for_their_width_compute_what_the_dynamic_graph_does(gguf_target, library):
-    """FixedWidths: a cache's passes at the fixed widths, between passes at others, and a fork's
+    """FixedShapes: a cache's passes at the fixed widths, between passes at others, and a fork's
     passes on the same copies, give the logits of the graph of dynamic shapes bit for bit."""
     fixed = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library, fixed_widths=(1, 2))
     dynamic = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library, fixed_widths=())

@@ -55,7 +55,7 @@ DRAFT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", **DYNAMIC_QUANTIZATION}
 # compaction costs one ordinary trim.
 MAX_MASKED = 64
 # The pass widths of one row a graph whose cache the op keeps runs on copies compiled for that
-# width alone (FixedWidths): a plain step, a draft's 2-token pass and a 1-token verify, and a
+# width alone (FixedShapes): a plain step, a draft's 2-token pass and a 1-token verify, and a
 # verify of the paced mode's K = 4 drafts (engine.core.modes.BEST_K + 1).
 FIXED_WIDTHS = (1, 2, 5)
 # The inputs whose second dimension is a pass's width (the tokens and their positions).
@@ -107,7 +107,7 @@ def supported_activations(bits: int | None, library: Path) -> int:
     return bits
 
 
-class FixedWidths:
+class FixedShapes:
     """Copies of a graph whose cache the op keeps, each compiled for passes of one shape (rows and
     width), every other shape fixed too: on them the plugin infers no shapes between nodes (for a
     custom op, in a graph of dynamic shapes, it wraps every input in a Constant and clones the node
@@ -147,7 +147,7 @@ class FixedWidths:
                 del self._pending[shape]
                 try:
                     self._compiled[shape] = done.result()
-                except RuntimeError as exc:  # (the dynamic graph serves that shape on)
+                except Exception as exc:  # (no pass's fault: the dynamic graph serves that shape on)
                     log.warning("batched steps of %d rows: no copy of fixed shapes (%s)", rows, exc)
                     self._compiled[shape] = None
             return self._compiled.get(shape)
@@ -218,7 +218,7 @@ class Runtime:
         prompt is chunked. For the target, whose rounding is the output.
 
         ``fixed_widths``: where the op keeps the cache, passes of one row this many tokens wide
-        run on copies of the graph compiled for that width alone (:class:`FixedWidths`)."""
+        run on copies of the graph compiled for that width alone (:class:`FixedShapes`)."""
         if pass_width > 1 and not masked_rollback:
             raise ValueError("pass_width > 1 re-feeds a cached token every step: it needs masked_rollback")
         core = core or ov.Core()
@@ -270,7 +270,7 @@ class Runtime:
             assert kernels is not None
             layers = int(hf_config["num_hidden_layers"])
             self.own = OwnCache(kernels, layers, _kv_heads(hf_config), _head_dim(hf_config))
-        self.fixed = FixedWidths(model, core, device, self.config, fixed_widths) if own_cache else None
+        self.fixed = FixedShapes(model, core, device, self.config, fixed_widths) if own_cache else None
         self._requests: dict[int, ov.InferRequest] = {}  # (this cache's requests on self.fixed's copies)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         # What wrote each of them: a prompt reader's pass (engine.core.reader), None for this
