@@ -275,14 +275,8 @@ class OwnBatch(Rows):
         return [logits[i, : len(feed)].astype(np.float32, copy=True) for i, feed in enumerate(feeds)]
 
     def _request(self, rows: int, width: int) -> ov.InferRequest:
-        """The request a pass of ``rows`` rows ``width`` tokens wide runs on: on a copy of the
-        graph compiled for that shape where there is one (``Runtime.fixed``), else the batch's own."""
-        compiled = self.fixed.compiled(width, rows) if self.fixed is not None else None
-        if compiled is None:
-            return self.request
-        if (rows, width) not in self._requests:
-            self._requests[rows, width] = compiled.create_infer_request()
-        return self._requests[rows, width]
+        """The request a pass of ``rows`` rows ``width`` tokens wide runs on (FixedShapes.request)."""
+        return self.request if self.fixed is None else self.fixed.request(self._requests, self.request, width, rows)
 
     def keep(self, lengths: Sequence[int]) -> None:
         """Cut row i back to its first ``lengths[i]`` tokens: free (its next pass writes after them)."""

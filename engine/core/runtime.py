@@ -152,6 +152,19 @@ class FixedShapes:
                     self._compiled[shape] = None
             return self._compiled.get(shape)
 
+    def request(
+        self, requests: dict[tuple[int, int], ov.InferRequest], dynamic: ov.InferRequest, width: int, rows: int = 1
+    ) -> ov.InferRequest:
+        """The request a pass of ``rows`` rows ``width`` tokens wide runs on: one of ``requests``
+        (a cache's or a batch's own, made on first use) on the copy for that shape, else
+        ``dynamic``, on the graph of dynamic shapes."""
+        compiled = self.compiled(width, rows)
+        if compiled is None:
+            return dynamic
+        if (rows, width) not in requests:
+            requests[rows, width] = compiled.create_infer_request()
+        return requests[rows, width]
+
     def _compile(self, shape: tuple[int, int]) -> ov.CompiledModel:
         fixed = self.model.clone()
         fixed.reshape({i.get_any_name(): self._shape(i, *shape) for i in fixed.inputs})
@@ -271,7 +284,7 @@ class Runtime:
             layers = int(hf_config["num_hidden_layers"])
             self.own = OwnCache(kernels, layers, _kv_heads(hf_config), _head_dim(hf_config))
         self.fixed = FixedShapes(model, core, device, self.config, fixed_widths) if own_cache else None
-        self._requests: dict[int, ov.InferRequest] = {}  # (this cache's requests on self.fixed's copies)
+        self._requests: dict[tuple[int, int], ov.InferRequest] = {}  # (this cache's, on self.fixed's copies)
         self.tokens: list[int] = []  # what the cache holds, in order (dropped entries excluded)
         # What wrote each of them: a prompt reader's pass (engine.core.reader), None for this
         # request's own passes. A reader's entries round with where its pass started and ended.
@@ -458,12 +471,7 @@ class Runtime:
     def pass_request(self, width: int) -> ov.InferRequest:
         """The request a pass of one row ``width`` tokens wide runs on: on a copy of the graph
         compiled for that width (:attr:`fixed`), else on the graph of dynamic shapes."""
-        compiled = self.fixed.compiled(width) if self.fixed is not None else None
-        if compiled is None:
-            return self.request
-        if width not in self._requests:
-            self._requests[width] = compiled.create_infer_request()
-        return self._requests[width]
+        return self.request if self.fixed is None else self.fixed.request(self._requests, self.request, width)
 
     def feed(self, tokens: Sequence[int], chunk: int) -> Iterator[int]:
         """Make the cache hold all of ``tokens`` but the last ``chunk`` or fewer, in passes of
