@@ -884,6 +884,14 @@ def test_passes_on_the_copies_compiled_for_their_width_compute_what_the_dynamic_
     assert dynamic.pass_request(1) is dynamic.request
 
 
+def test_warm_up_compiles_the_copy_for_every_fixed_width(gguf_target, library):
+    """A first request's pass at a fixed width waits on no compile (half a second a copy)."""
+    runtime = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library, fixed_widths=(1, 3))
+    runtime.warm_up()
+    assert runtime.fixed is not None and {(1, 1), (1, 3)} <= set(runtime.fixed._compiled)
+    assert not runtime.tokens
+
+
 def test_the_paced_modes_verify_width_runs_on_a_copy_compiled_for_it():
     assert {1, 2, BEST_K + 1} <= set(FIXED_WIDTHS)
 

@@ -323,8 +323,10 @@ class Runtime:
         return self.own.bytes if self.own is not None else self.slots * self.kv_bytes_per_token
 
     def warm_up(self) -> None:
-        """Run the shapes decoding uses once, so the first request does not pay for kernel setup."""
-        for n in sorted({8, 1, 5, self.pass_width}):
+        """Run the shapes decoding uses once, so the first request does not pay for kernel setup
+        (nor for compiling the copies of fixed shapes: half a second each)."""
+        fixed = self.fixed.widths if self.fixed is not None else ()
+        for n in sorted({8, 1, 5, self.pass_width, *fixed}):
             self.forward([0] * n, rows=n)
         self.reset()
 
