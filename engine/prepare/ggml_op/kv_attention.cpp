@@ -204,8 +204,9 @@ void attend(const std::vector<QueryRow>& rows, LayerCache& cache, int64_t head, 
     for (int64_t first = 0; first < longest; first += VALUE_SPAN)
         for (size_t r = 0; r < rows.size(); ++r) {
             const int64_t count = std::min(rows[r].n, first + VALUE_SPAN) - first;
+            const float* weights = scores.data() + r * longest + first;
             if (count > 0)
-                add_weighted(rows[r].out, dim, scores.data() + r * longest + first, cache.at(cache.v, head, first), count);
+                add_weighted(rows[r].out, dim, weights, cache.at(cache.v, head, first), count);
         }
     for (size_t r = 0; r < rows.size(); ++r) {
         const float inverse = 1.0f / sums[r];
