@@ -59,15 +59,16 @@ GEMM, FINE = 1, 2
 ACTIVATIONS = (8, 14)
 # The ways a decode or verify pass may multiply, by index (the op's tuning.h): whose kernels, and
 # how the threads share the columns. Each is timed on the machine it runs on, per pass shape.
-CANDIDATES = (
-    "own kernels, static split",
-    "ggml's kernels, static split",
-    "own kernels in 256 bits, static split",
-    "own kernels reading nothing ahead, static split",
-    "own kernels, stealing split",
-    "ggml's kernels, stealing split",
-    "own kernels in 256 bits, stealing split",
-    "own kernels reading nothing ahead, stealing split",
+CANDIDATES = tuple(
+    f"{kernel}, {split} split"
+    for split in ("static", "stealing")
+    for kernel in (
+        "own kernels",
+        "ggml's kernels",
+        "own kernels in 256 bits",
+        "own kernels reading nothing ahead",
+        "own kernels reading ahead into L1",
+    )
 )
 log = logging.getLogger("specchat.kernels")
 

@@ -162,6 +162,7 @@ public:
             p.own = p.has_rows_kernel() && (kernel != tuning::Kernel::Ggml || p.x->fine);
             p.narrow = kernel == tuning::Kernel::Narrow;
             p.read_ahead = kernel != tuning::Kernel::OwnNear;
+            p.into_l1 = kernel == tuning::Kernel::OwnL1;
         }
         const auto start = std::chrono::steady_clock::now();
         multiply(products, m, k, tuning::split_of(pick.candidate));

@@ -32,9 +32,9 @@ void multiply_block(const Product& p, int64_t k, int64_t r0, int64_t r1, int64_t
         const RowsKernel rows = p.x->fine                                ? own.fine_rows
                                 : p.narrow && own.narrow_rows != nullptr ? own.narrow_rows
                                                                          : own.rows;
-        const uint8_t* end = p.w + (p.read_ahead ? last : first) * p.w_row;
+        const ReadAhead ahead{p.w + (p.read_ahead ? last : first) * p.w_row, p.into_l1};
         for (int64_t col = first; col < last; col += p.unit())
-            rows(p.w + col * p.w_row, k, end, xq + r0 * p.x->row, p.x->row, r1 - r0, p.y + r0 * p.n + col, p.n);
+            rows(p.w + col * p.w_row, k, ahead, xq + r0 * p.x->row, p.x->row, r1 - r0, p.y + r0 * p.n + col, p.n);
         return;
     }
     if (p.il == nullptr) {

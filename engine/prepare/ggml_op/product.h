@@ -32,7 +32,8 @@ struct Product {
     bool gemm;                      // interleaved rows by ggml's gemm
     bool own;                       // rows by the op's own multi-row kernel (has_rows_kernel), else ggml's row by row
     bool narrow;                    // the own kernel in 256 bits where the table has it (narrow_rows)
-    bool read_ahead;                // the own kernel prefetches the blocks it reads next
+    bool read_ahead;                // the own kernel prefetches the blocks it reads next,
+    bool into_l1;                   // into the core's L1 cache, else into its L2 alone (ReadAhead)
     bool by_ggml;                   // rows (put back) as stored by ggml's own mul_mat
     const TiledActivations* tiles;  // null, or the activations in bf16 tiles: p by the AMX tiles
     const uint8_t* w;

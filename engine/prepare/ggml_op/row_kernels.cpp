@@ -65,23 +65,25 @@ inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
     return {static_cast<int64_t>(scales), static_cast<int64_t>(mins)};
 }
 
-// A block's bytes into the cache ahead of use, into the next weight rows (up to `end`, the last
-// of the thread's range; none where `end` is the rows' start): the blocks' compute, longer with
-// more rows, would otherwise leave each block's first lines to arrive from memory while the core
-// waits. Six blocks ahead, not two or twelve, by plain steps timed in alternating processes
-// (docs/benchmarks.md, "The op's fixed constants"); whether to read ahead at all is timed where
-// the op runs (tuning.h).
+// A block's bytes into the cache ahead of use, into the next weight rows as `ahead` says (weight_types.h):
+// the blocks' compute, longer with more rows, would otherwise leave each block's first lines to
+// arrive from memory while the core waits. Six blocks ahead, not two or twelve, by plain steps
+// timed in alternating processes (docs/benchmarks.md, "The op's fixed constants"); whether to
+// read ahead at all, and into which cache, is timed where the op runs (tuning.h).
 constexpr int64_t AHEAD = 6;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks, 8 of Q4_0)
 
 // (Always inlined: once the row kernels were templates, GCC 12 left out every prefetch of theirs,
 // which cost a plain step a fifth on the AMX VM.)
 template <typename Block>
-__attribute__((always_inline)) inline void prefetch(const Block* block, const void* end) {
-    if (static_cast<const void*>(block + 1) > end)
+__attribute__((always_inline)) inline void prefetch(const Block* block, ReadAhead ahead) {
+    if (static_cast<const void*>(block + 1) > ahead.end)
         return;
     const auto* bytes = reinterpret_cast<const char*>(block);
     for (size_t line = 0; line < sizeof(Block); line += 64)
-        _mm_prefetch(bytes + line, _MM_HINT_T0);
+        if (ahead.into_l1)
+            _mm_prefetch(bytes + line, _MM_HINT_T0);
+        else
+            _mm_prefetch(bytes + line, _MM_HINT_T1);
 }
 
 // 8 floats summed as ggml's hsum_float_8 sums them.
@@ -215,13 +217,43 @@ inline __m256i sums_by_scales(const block_q14* a, __m256i scales16) {
 }
 #endif
 
+#ifdef ROWS_512
+// A Q6_K block's quants as q6_K_quants gives them, two runs of 32 values to a register (values
+// 64v..64v+31 in q2[v]'s lanes 0-7, the next 32 in lanes 8-15), and each 32-bit lane's scale
+// (its 16 values', from `scales16`) as a 16-bit value in its low half, 0 in its high half. In
+// 512-bit steps: in 256-bit ones, with the runs put together after, a block's unpacking took
+// more than two rows' products (docs/benchmarks.md, "Reading ahead into L2").
+inline void q6_K_runs(const block_q6_K& blk, __m256i scales16, __m512i* q2, __m512i* scale2) {
+    const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
+    // 16-bit shifts of the high bits to bits 4-5: left by 4 and 2 for a pair's first and second
+    // runs, right by 0 and 2 for the next pair's (what crosses a byte's edge is masked off)
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    constexpr int LOW_OR_HIGH = 0xEC;  // ternary logic: (a & c) | b
+    for (int j = 0; j < 2; ++j) {
+        const __m512i lo = _mm512_loadu_si512(blk.ql + 64 * j);
+        const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * j)));
+        q2[2 * j] = _mm512_ternarylogic_epi32(lo, _mm512_and_si512(_mm512_sllv_epi16(hi, left), m48), m15, LOW_OR_HIGH);
+        q2[2 * j + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), _mm512_and_si512(_mm512_srlv_epi16(hi, right), m48),
+                                                  m15, LOW_OR_HIGH);
+    }
+    const __m512i wide16 = _mm512_castsi256_si512(scales16);
+    for (int v = 0; v < 4; ++v) {  // lane i: scale 4v + i / 4, in its even word (the odd ones zeroed)
+        const short s = static_cast<short>(4 * v);
+        const __m512i pick = _mm512_set_epi16(0, s + 3, 0, s + 3, 0, s + 3, 0, s + 3, 0, s + 2, 0, s + 2, 0, s + 2, 0, s + 2,
+                                              0, s + 1, 0, s + 1, 0, s + 1, 0, s + 1, 0, s, 0, s, 0, s, 0, s);
+        scale2[v] = _mm512_maskz_permutexvar_epi16(0x55555555, pick, wide16);
+    }
+}
+#endif
+
 }  // namespace
 
 // A group of 8 interleaved Q4_K weight rows by `rows` activation rows (`x_row` bytes apart) of
 // Q8_K or 14-bit blocks (A), into y (rows `y_row` floats apart): each row as
 // ggml_gemv_q4_K_8x8_q8_K computes it alone (in 14 bits, in its steps).
 template <typename A>
-void gemv_rows_q4_K(const uint8_t* weights, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+void gemv_rows_q4_K(const uint8_t* weights, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row) {
     const auto* w = reinterpret_cast<const block_q4_Kx8*>(weights);
     const int64_t blocks = k / QK_K;
@@ -230,7 +262,7 @@ void gemv_rows_q4_K(const uint8_t* weights, int64_t k, const void* end, const ui
     float* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_Kx8& g = w[b];
-        prefetch(w + b + AHEAD, end);
+        prefetch(w + b + AHEAD, ahead);
         // Each column's scale for sub-block s in its two 32-bit lanes.
         alignas(64) int32_t scale[8][16];
         __m128i mn[8];  // per sub-block, the 8 columns' mins as 16-bit values
@@ -329,7 +361,7 @@ void gemv_rows_q4_K(const uint8_t* weights, int64_t k, const void* end, const ui
 // scales). The repack stores each nibble as a signed 4-bit value (its code xor 8): here they are
 // sign-extended to bytes, the activations shifted by 128 to unsigned (their products' sums exact in
 // 32 bits) and 128 times each column's sum of weights, computed once for the rows, taken back off.
-void gemv_rows_q4_0(const uint8_t* weights, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+void gemv_rows_q4_0(const uint8_t* weights, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row) {
     const auto* w = reinterpret_cast<const block_q4_0x8*>(weights);
     const int64_t blocks = k / QK4_0;
@@ -354,7 +386,7 @@ void gemv_rows_q4_0(const uint8_t* weights, int64_t k, const void* end, const ui
     };
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q4_0x8& g = w[b];
-        prefetch(w + b + AHEAD * 8, end);
+        prefetch(w + b + AHEAD * 8, ahead);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g.d)));
 #ifdef ROWS_512
         // v[k][h]: the values k*8..k*8+7 (h = 0) and 16+k*8.. (h = 1) of every column, 8 bytes each
@@ -415,7 +447,7 @@ void gemv_rows_q4_0(const uint8_t* weights, int64_t k, const void* end, const ui
 // 16 (the first 16 bytes' scale in lanes 0-3), less 32 times the activations' sums of values
 // 32j..32j+31 times their scales.
 template <typename A>
-void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const uint8_t* x, size_t x_row,
+void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row,
                        int64_t rows, float* y, int64_t y_row) {
     const auto* w = reinterpret_cast<const block_q6_K*>(weights);
     const int64_t blocks = k / QK_K;
@@ -424,27 +456,20 @@ void vec_dot_rows_q6_K(const uint8_t* weights, int64_t k, const void* end, const
     __m256* const sums = scratch.data();  // (a thread_local in a shared library costs a call per use)
     for (int64_t b = 0; b < blocks; ++b) {
         const block_q6_K& blk = w[b];
-        prefetch(w + b + AHEAD * 4, end);
-        __m256i q[8], scale[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
-        q6_K_quants(blk, q);
+        prefetch(w + b + AHEAD * 4, ahead);
         const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
-        for (int v = 0; v < 8; ++v) {  // scale 2v four times, then 2v+1 four times
-            const __m128i pick = _mm_set1_epi64x(0x0101010100000000LL + 0x0202020202020202LL * v);
-            scale[v] = _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(scales8, pick)), _mm256_set1_epi32(0xFFFF));
-        }
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
         const float wd = _cvtsh_ss(blk.d);
-#ifndef ROWS_512
-        __m256i scale16[8];
-        for (int v = 0; v < 8; ++v)
-            scale16[v] = twice16(scale[v]);
-#else
-        // Two runs of 32 values per register: lanes 8-15 hold the next run's, added to lanes 0-7
-        // at the end (the integer sums are exact in any order).
+#ifdef ROWS_512
         __m512i q2[4], scale2[4];
-        for (int v = 0; v < 4; ++v) {
-            q2[v] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * v]), q[2 * v + 1], 1);
-            scale2[v] = _mm512_inserti64x4(_mm512_castsi256_si512(scale[2 * v]), scale[2 * v + 1], 1);
+        q6_K_runs(blk, scales16, q2, scale2);
+#else
+        __m256i q[8], scale16[8];  // the quants of values 32v..32v+31 (0..63), and their lanes' scales
+        q6_K_quants(blk, q);
+        for (int v = 0; v < 8; ++v) {  // scale 2v four times, then 2v+1 four times, in both halves of a lane
+            const __m128i pick = _mm_set1_epi64x(0x0101010100000000LL + 0x0202020202020202LL * v);
+            scale16[v] = twice16(_mm256_and_si256(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(scales8, pick)),
+                                                  _mm256_set1_epi32(0xFFFF)));
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
@@ -493,7 +518,7 @@ const RowsKernel q4_K_rows = gemv_rows_q4_K<block_q8_K>, q4_0_rows = gemv_rows_q
                  q6_K_rows = vec_dot_rows_q6_K<block_q8_K>;
 #else
 #define ROWS_KERNEL(kernel) \
-    template void kernel(const uint8_t*, int64_t, const void*, const uint8_t*, size_t, int64_t, float*, int64_t)
+    template void kernel(const uint8_t*, int64_t, ReadAhead, const uint8_t*, size_t, int64_t, float*, int64_t)
 ROWS_KERNEL(gemv_rows_q4_K<block_q8_K>);
 ROWS_KERNEL(vec_dot_rows_q6_K<block_q8_K>);
 #ifdef ROWS_512

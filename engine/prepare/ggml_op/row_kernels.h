@@ -18,14 +18,14 @@ namespace specchat {
 #if defined(__AVX2__)
 // A group of 8 interleaved Q4_K rows by activations of block_q8_K, or of block_q14 (VNNI_512).
 template <typename A>
-void gemv_rows_q4_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+void gemv_rows_q4_K(const uint8_t* w, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row);
 // A group of 8 interleaved Q4_0 rows by activations of block_q8_0.
-void gemv_rows_q4_0(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+void gemv_rows_q4_0(const uint8_t* w, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row, int64_t rows,
                     float* y, int64_t y_row);
 // One Q6_K row as stored by activations of block_q8_K, or of block_q14 (VNNI_512).
 template <typename A>
-void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
+void vec_dot_rows_q6_K(const uint8_t* w, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row, int64_t rows,
                        float* y, int64_t y_row);
 #ifdef VNNI_512
 // The three by block_q8_K on 256-bit registers alone (row_kernels.cpp built again): where the CPU

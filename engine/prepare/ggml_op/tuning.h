@@ -16,18 +16,19 @@
 namespace specchat::tuning {
 
 // Whose kernels multiply a pass's rows: the op's own multi-row kernels (each weight block
-// unpacked once for every row, the blocks it reads next prefetched), ggml's one-row kernels,
-// called row by row, the op's own on 256-bit registers alone (a candidate only where the CPU has
-// 512-bit VNNI too: Narrow where it does not would time the op's own kernels twice), or the op's
-// own reading nothing ahead (where the hardware's prefetchers do better alone).
-enum class Kernel { Own = 0, Ggml = 1, Narrow = 2, OwnNear = 3 };
-constexpr int KERNELS = 4;
+// unpacked once for every row, the blocks it reads next prefetched into L2), ggml's one-row
+// kernels, called row by row, the op's own on 256-bit registers alone (a candidate only where the
+// CPU has 512-bit VNNI too: Narrow where it does not would time the op's own kernels twice), the
+// op's own reading nothing ahead (where the hardware's prefetchers do better alone), or reading
+// ahead into L1 (ReadAhead, weight_types.h).
+enum class Kernel { Own = 0, Ggml = 1, Narrow = 2, OwnNear = 3, OwnL1 = 4 };
+constexpr int KERNELS = 5;
 // How the threads share a node's columns: one contiguous range of weight bytes each (a long
 // stream for the hardware prefetchers), or that range in chunks, a thread done with its own
 // taking the others' last ones (one woken late by the pool, or slowed, takes fewer).
 enum class Split { Static = 0, Stealing = 1 };
 
-constexpr int CANDIDATES = 8;
+constexpr int CANDIDATES = 2 * KERNELS;
 constexpr int SAMPLES = 5;  // timed calls per candidate before a choice
 // Passes wider than this are not tuned: they take the op's own kernels and the static split.
 constexpr int64_t WIDEST_TUNED = 64;

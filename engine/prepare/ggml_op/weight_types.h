@@ -18,12 +18,22 @@
 
 namespace specchat {
 
+// How a kernel reads its weight rows ahead of use: no further than `end`, the last byte of the
+// thread's weight rows (at or before the rows' start: nothing ahead), into the core's L1 cache or
+// its L2 alone. Each prefetch into L1 holds one of the core's few line-fill slots until its line
+// arrives: on an AVX-512 AMD EPYC Zen 4 that capped a core's reads where a pass had rows enough to
+// compute for long, and its L2 takes far more lines in flight (docs/benchmarks.md, "Reading ahead
+// into L2"). Which is faster is timed where the op runs (tuning.h).
+struct ReadAhead {
+    const void* end;
+    bool into_l1;
+};
+
 // A unit of weight rows (a group of INTERLEAVE interleaved rows, or one row as stored) of k values
-// at `w` by `rows` activation rows (`x_row` bytes apart) into y (rows `y_row` floats apart); `end`
-// is the last byte of the thread's weight rows, which the kernel reads ahead no further than (at
-// or before `w`: it reads nothing ahead).
-using RowsKernel = void (*)(const uint8_t* w, int64_t k, const void* end, const uint8_t* x, size_t x_row, int64_t rows,
-                            float* y, int64_t y_row);
+// at `w` by `rows` activation rows (`x_row` bytes apart) into y (rows `y_row` floats apart),
+// reading the thread's next weight rows ahead as `ahead` says.
+using RowsKernel = void (*)(const uint8_t* w, int64_t k, ReadAhead ahead, const uint8_t* x, size_t x_row,
+                            int64_t rows, float* y, int64_t y_row);
 // A unit of weight rows (`blocks` blocks each) into the AMX bf16 weight tiles `w` as rows col ..
 using TilePacker = void (*)(const uint8_t* rows, int64_t blocks, int64_t col, uint16_t* w);
 using Gemx = void (*)(int, float*, size_t, const void*, const void*, int, int);
