@@ -92,6 +92,7 @@ def _native(library: Path) -> ctypes.CDLL:
     native.specchat_choices.argtypes = [ctypes.c_char_p, ctypes.c_int]
     native.specchat_set_choice.argtypes = [ctypes.c_char_p, ctypes.c_int]
     native.specchat_force.argtypes = [ctypes.c_int]
+    native.specchat_timing_calls.restype = ctypes.c_int64
     native.specchat_interleave.argtypes = [
         ctypes.c_int,
         ctypes.c_void_p,
@@ -298,6 +299,12 @@ def choices(library: Path) -> dict[str, int]:
     native.specchat_choices(text, size + 1)
     lines = (line.split("\t") for line in text.value.decode().splitlines())
     return {key: int(candidate) for key, candidate in lines}
+
+
+def timing_calls(library: Path) -> int:
+    """How many of the op's calls so far took a candidate in turn, their pass shape still being
+    timed: where a pass leaves it as it was, every shape that pass took was chosen already."""
+    return int(_native(library).specchat_timing_calls())
 
 
 def force(library: Path, candidate: int | None) -> None:

@@ -484,6 +484,23 @@ def test_the_reader_on_ggml_kernels_writes_the_cache_as_the_targets_own_passes_w
     np.testing.assert_allclose(read.forward(prompt[-1:]), expected, atol=1e-4)
 
 
+def test_settling_a_width_leaves_every_shape_of_its_passes_chosen(gguf_target, library):
+    """Passes timed while the op still takes its candidates in turn would price the slower ones
+    too: after settle, a pass of that width takes only chosen shapes, and the cache is as it was."""
+    target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)
+    ggml.load_choices(library, remeasure=True)  # (every choice of this process forgotten)
+    target.forward(TOKENS)
+    before = ggml.timing_calls(library)
+    target.settle(3)
+    assert ggml.timing_calls(library) > before  # (it timed them)
+    assert target.tokens == list(TOKENS)
+    settled = ggml.timing_calls(library)
+    target.forward([1, 2, 3], rows=3)
+    assert ggml.timing_calls(library) == settled
+    target.forward([4, 5], rows=2)  # (another width: its shapes timed yet)
+    assert ggml.timing_calls(library) > settled
+
+
 def test_a_target_whose_cache_the_op_keeps_reads_prompts_with_its_own_passes_only(gguf_target, library, caplog):
     """A stateless reader reads and writes the plugin's states, which such a target has none of."""
     target = Runtime(gguf_target, config=EXACT_CONFIG, first_token_alone=True, kernels=library)

@@ -121,6 +121,8 @@ class PassCosts:
         for runtime in (target, draft):
             runtime.reset()
             runtime.forward([0] * 16)
+        for runtime, width in passes:
+            runtime.settle(width)
         for _ in range(repeats + 1):  # the first pass of a shape sets it up: not counted
             for (runtime, width), timings in zip(passes, seconds, strict=True):
                 if runtime is target and width == 1:  # a plain step after a plain step, as decoding runs them
@@ -152,6 +154,8 @@ class PassCosts:
         width 2 every pass has one shape and re-feeds a token. Which costs less is the CPU's."""
         draft.reset()
         draft.forward([0] * 16)
+        for fed in {2, width}:
+            draft.settle(fed)
         rounds = []
         for _ in range(repeats + 1):  # (the first sets the shapes up: not counted)
             start = time.perf_counter()

@@ -60,6 +60,9 @@ MAX_MASKED = 64
 FIXED_WIDTHS = (1, 2, 5)
 # The inputs whose second dimension is a pass's width (the tokens and their positions).
 WIDTH_INPUTS = ("input_ids", "position_ids")
+# The most passes Runtime.settle runs for one width: a shape met once a pass (a model's head) is
+# chosen after 60, each of the op's ten candidates called six times (a guard, not a tuning).
+SETTLING_PASSES = 100
 
 
 def _kv_heads(cfg: dict) -> int:
@@ -329,6 +332,21 @@ class Runtime:
         for n in sorted({8, 1, 5, self.pass_width, *fixed}):
             self.forward([0] * n, rows=n)
         self.reset()
+
+    def settle(self, width: int) -> None:
+        """Run passes ``width`` tokens wide, each rolled back, until the op has chosen its kernels
+        for every shape they take: on a shape's first calls it takes its candidates in turn
+        (engine.ggml.CANDIDATES), and a pass timed meanwhile prices the slower ones too (on the
+        AVX-512 AMD EPYC Zen 4 a 2-token pass by 7%). Needs a cache that holds tokens."""
+        if self.library is None:
+            return
+        kept = len(self.tokens)
+        for _ in range(SETTLING_PASSES):
+            before = ggml.timing_calls(self.library)
+            self.forward([0] * width, rows=width)
+            self.trim(kept)
+            if ggml.timing_calls(self.library) == before:
+                return
 
     def release(self) -> None:
         """Empty the cache and give its memory back (``reset`` keeps the plugin's buffers for the

@@ -26,6 +26,7 @@ struct Shape {
 std::mutex guard;
 std::map<std::string, Shape> shapes;  // (ordered: the choices read out in a stable order)
 std::atomic<int> forced{-1};
+std::atomic<int64_t> untimed{0};  // passes of a shape not chosen yet, ever (specchat_timing_calls)
 
 }  // namespace
 
@@ -45,6 +46,7 @@ Pick pick(const std::string& key) {
     Shape& shape = shapes[key];
     if (shape.chosen >= 0)
         return {shape.chosen, false};
+    untimed.fetch_add(1, std::memory_order_relaxed);
     // The candidate called least so far: they take turns, so a drift of the machine's speed
     // weighs on each alike.
     int candidate = -1;
@@ -128,6 +130,12 @@ extern "C" void specchat_set_choice(const char* key, int candidate) {
 // Every pass takes `candidate` (-1: each shape its own choice): for tests and probes.
 extern "C" void specchat_force(int candidate) {
     forced.store(candidate >= 0 && candidate < CANDIDATES ? candidate : -1);
+}
+
+// How many calls so far took a candidate in turn, their shape not chosen yet: a pass after which
+// it has not grown met only shapes already chosen.
+extern "C" int64_t specchat_timing_calls() {
+    return untimed.load(std::memory_order_relaxed);
 }
 
 // Forget every choice and timing: each shape is timed again (--remeasure).
