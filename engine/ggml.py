@@ -43,11 +43,12 @@ AMX_ROWS = 32
 # "The op's fixed constants").
 TILED_ROWS = 256
 # A prepared model's graph with the op (engine.prepare.ggml_ir), beside its openvino_model.xml.
-# (Its fifth form: weights with interleaved kernels keep their rows interleaved, an int4 model's
+# (Its sixth form: weights with interleaved kernels keep their rows interleaved, an int4 model's
 # rows are 4-bit blocks, a node norms its input and adds its biases, SwiGLU and residual itself
 # (:class:`Fused`), and a graph built from a GGUF attends over the op's own KV caches
-# (:data:`KV_ATTENTION`). A cache holding an earlier form writes this one and drops that.)
-GGML_XML = "openvino_model_ggml5.xml"
+# (:data:`KV_ATTENTION`), turning q and k by RoPE's angles itself. A cache holding an earlier form
+# writes this one and drops that.)
+GGML_XML = "openvino_model_ggml6.xml"
 # Its input of a pass's flags (engine.core.runtime sets it on every pass): GEMM turns ggml's batched
 # kernels on (its gemm, its tiled mul_mat: a prompt reader's passes); FINE multiplies Q4_K and Q6_K
 # rows by activations in 14 bits rather than 8 in the blocks whose largest value stands out, where
@@ -268,11 +269,15 @@ def attention(
     layer: int,
     scale: float,
     library: Path,
+    rope: tuple[ov.Output, ov.Output] | None = None,
 ) -> ov.Output:
     """Layer ``layer``'s attention of ``q`` [B, H, T, D] over the KV caches the op keeps, after
     writing each row's new entries ``k`` and ``v`` [B, Hkv, T, D] into row b's cache ``caches[b]``
-    past its first ``pasts[b]`` (:data:`KV_ATTENTION`: engine/prepare/ggml_op/kv_attention.h)."""
-    node = _factory(library).create(KV_ATTENTION, [q, k, v, caches, pasts], {"layer": layer, "scale": scale})
+    past its first ``pasts[b]`` (:data:`KV_ATTENTION`: engine/prepare/ggml_op/kv_attention.h);
+    ``rope``: RoPE's cos and sin [B, 1, T, D], which the node turns q and k by first (else they
+    come turned)."""
+    inputs = [q, k, v, caches, pasts, *(rope or ())]
+    node = _factory(library).create(KV_ATTENTION, inputs, {"layer": layer, "scale": scale})
     return node.output(0)
 
 

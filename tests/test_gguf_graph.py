@@ -331,7 +331,8 @@ def test_the_graphs_have_todays_inputs_output_states_and_linear_nodes(prepared, 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_the_plugin_fuses_them_as_it_fuses_todays(prepared, library, kernels):
     """On ggml's kernels the op nodes norm their own inputs (ggml.Fused): the plugin's RMS nodes
-    are then only qwen3's, of its q and k heads."""
+    are then only qwen3's, of its q and k heads; and the op's attention turns q and k by RoPE
+    itself: no RoPE node."""
     layers = TINY_SHAPE["num_hidden_layers"]
     heads = 2 * layers * (prepared.architecture == "qwen3")
     norms = heads + (2 * layers + 1 if kernels == "openvino" else 0)
@@ -341,10 +342,12 @@ def test_the_plugin_fuses_them_as_it_fuses_todays(prepared, library, kernels):
         "ScaledDotProductAttention",
         "MemoryInput",
         "Reference",
-    )  # (on ggml's kernels attention is the op's)
+        "RoPE",
+    )  # (on ggml's kernels attention is the op's, RoPE its too)
     assert counts - Counter({k: counts[k] for k in apart}) == today - Counter({k: today[k] for k in apart})
     assert today["RMS"] == heads + 2 * layers + 1
-    assert counts["RMS"] == norms and counts["RoPE"] == 2 * layers
+    assert counts["RMS"] == norms and today["RoPE"] == 2 * layers
+    assert counts["RoPE"] == (0 if kernels == "ggml" else 2 * layers)
     assert today["ScaledDotProductAttention"] == today["MemoryInput"] // 2 == layers
     if kernels == "ggml":
         assert counts["ScaledDotProductAttention"] == counts["MemoryInput"] == 0

@@ -123,6 +123,55 @@ def test_rows_of_several_caches_in_one_pass_each_compute_what_they_compute_alone
         cache.free()
 
 
+def rope_model(library, turned_by_the_op: bool) -> ov.CompiledModel:
+    """The op after RoPE: the graph's (x * cos + rotate_half(x) * sin, as engine.prepare.gguf_graph
+    writes it) or its own (cos and sin as its inputs), the angles of positions ``pasts[0]`` on."""
+    core = ov.Core()
+    ggml.register(core, library)
+    q = ops.parameter([1, HEADS, -1, DIM], ov.Type.f32)
+    k, v = (ops.parameter([1, KV_HEADS, -1, DIM], ov.Type.f32) for _ in range(2))
+    caches, pasts = (ops.parameter([1], ov.Type.i64) for _ in range(2))
+    first = ops.squeeze(pasts, ops.constant(np.array([0])))
+    last = ops.add(first, ops.gather(ops.shape_of(q), ops.constant(np.array(2)), ops.constant(np.array(0))))
+    positions = ops.convert(ops.range(first, last, ops.constant(np.array(1)), ov.Type.i64), ov.Type.f32)
+    frequencies = (1.0 / 10000 ** (np.arange(0, DIM, 2) / DIM)).astype(np.float32)
+    angles = ops.multiply(ops.unsqueeze(positions, ops.constant(np.array([1]))), ops.constant(frequencies[None]))
+    angles = ops.concat([angles, angles], -1)
+    cos, sin = (ops.reshape(f(angles), ops.constant(np.array([1, 1, -1, DIM])), False) for f in (ops.cos, ops.sin))
+
+    def turned(x):
+        half = DIM // 2
+        first = ops.slice(x, np.array([0]), np.array([half]), np.array([1]), np.array([3]))
+        second = ops.slice(x, np.array([half]), np.array([DIM]), np.array([1]), np.array([3]))
+        rotated = ops.concat([ops.multiply(second, ops.constant(np.float32(-1))), first], -1)
+        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+
+    inputs = [q, k, v, caches, pasts]
+    if turned_by_the_op:
+        out = ggml.attention(*(p.output(0) for p in inputs), LAYER, SCALE, library, (cos.output(0), sin.output(0)))
+    else:
+        out = ggml.attention(turned(q), turned(k), v.output(0), caches.output(0), pasts.output(0), LAYER, SCALE, library)
+    return core.compile_model(ov.Model([out], inputs), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+
+
+def test_the_op_turns_q_and_k_by_rope_as_the_graph_would_before_it(library):
+    """A layer's attention takes RoPE's cos and sin and turns q and k itself (one node where the
+    plugin ran two more): the same attention, and the same keys in the cache, within rounding."""
+    k, v, q = entries(1, 40, KV_HEADS, 30), entries(1, 40, KV_HEADS, 31), entries(1, 40, HEADS, 32)
+    results, keys = [], []
+    for by_op in (True, False):
+        model, cache = rope_model(library, by_op), new_cache(library)
+        ids = np.array([cache.id], dtype=np.int64)
+        first = model([q[:, :, :33], k[:, :, :33], v[:, :, :33], ids, np.array([0])])[0]
+        then = model([q[:, :, 33:], k[:, :, 33:], v[:, :, 33:], ids, np.array([33])])[0]
+        results.append(np.concatenate([first, then], axis=2))
+        keys.append(cache.read(40)[f"{LAYER}.key"])
+        cache.free()
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(keys[0], keys[1], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(keys[0], k)  # (turned, not as given)
+
+
 def test_a_cache_is_read_written_and_freed_by_its_id(library, attention):
     cache, copy = new_cache(library), new_cache(library)
     k, v, q = entries(1, 300, KV_HEADS, 14), entries(1, 300, KV_HEADS, 15), entries(1, 1, HEADS, 16)

@@ -7,7 +7,7 @@ weights. One builder lays out both graphs of a prepared model; only the factory 
 layers and head differs (a llama file's q and k rows put back in the model's order first; the
 token embedding's rows as the head where the file has no ``output.weight``):
 
-- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml5.xml``): GgmlLinear nodes on the file's
+- on ggml's kernels (:class:`OnGgml`, ``openvino_model_ggml6.xml``): GgmlLinear nodes on the file's
   own rows, grouped and interleaved as :func:`engine.prepare.ggml_ir.rewrite` makes them from an
   exported IR (a layer's q, k and v in one node, its gate and up in another), each node norming
   its input and adding its biases, SwiGLU and residual itself (:class:`engine.ggml.Fused`), and
@@ -327,9 +327,14 @@ class OnGgml(Linears):
         self.caches, self.pasts = (_parameter(name, [-1], ov.Type.i64) for name in (ggml.KV_CACHES, ggml.KV_PASTS))
         self.parameters = [self.gemm, self.caches, self.pasts]
 
-    def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float) -> ov.Output:
-        """Layer ``layer``'s attention over the op's caches, its new entries ``k`` and ``v`` written first."""
-        return ggml.attention(q, k, v, self.caches.output(0), self.pasts.output(0), layer, scale, self.library)
+    def attention(
+        self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float, rope: tuple[ov.Output, ov.Output]
+    ) -> ov.Output:
+        """Layer ``layer``'s attention over the op's caches, ``q`` and ``k`` turned by RoPE's cos
+        and sin and the new entries ``k`` and ``v`` written first: in the op's one node, where
+        the plugin ran a RoPE node each for q and k (each node a step runs costs some
+        microseconds whatever its work)."""
+        return ggml.attention(q, k, v, self.caches.output(0), self.pasts.output(0), layer, scale, self.library, rope)
 
     def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
         outputs = ggml.linears(
@@ -561,12 +566,13 @@ class _Builder:
         for i in range(shape.layers):
             block = f"blk.{i}"
             q, k, v = self.linears(x, [f"{block}.{n}" for n in PROJECTIONS], norm=f"{block}.attn_norm.weight")
-            q = self.rope(self.heads(q, shape.heads, f"{block}.attn_q_norm"), cos, sin)
-            k = self.rope(self.heads(k, shape.kv_heads, f"{block}.attn_k_norm"), cos, sin)
+            q = self.heads(q, shape.heads, f"{block}.attn_q_norm")
+            k = self.heads(k, shape.kv_heads, f"{block}.attn_k_norm")
             v = self.heads(v, shape.kv_heads, None)
             if own:
-                attended = self.multiply.attention(q, k, v, i, float(root))
+                attended = self.multiply.attention(q, k, v, i, float(root), (cos, sin))
             else:
+                q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
                 (past_k, key_variable), (past_v, value_variable) = caches[i]
                 keys, values = self.extend(past_k, k, key_variable), self.extend(past_v, v, value_variable)
                 attended = ops.scaled_dot_product_attention(q, keys, values, bias, scale, causal=False).output(0)

@@ -216,6 +216,22 @@ void attend(const std::vector<QueryRow>& rows, LayerCache& cache, int64_t head, 
 }
 
 // An i64 or i32 input's values.
+// RoPE: each of the `count` rows [width, dim] of x (row r at x + r * width * dim) turned by its
+// position's angles, cos and sin [width, dim] (the rows' own batch row's), into out, as the graph
+// the export writes computes it: x * cos + rotate_half(x) * sin, rotate_half(x) the second half
+// negated, then the first.
+void rotate(const float* x, const float* cos, const float* sin, int64_t count, int64_t width, int64_t dim, float* out) {
+    const int64_t half = dim / 2;
+    for (int64_t row = 0; row < count * width; ++row) {
+        const float *in = x + row * dim, *c = cos + row % width * dim, *s = sin + row % width * dim;
+        float* o = out + row * dim;
+        for (int64_t i = 0; i < half; ++i)
+            o[i] = in[i] * c[i] + -in[i + half] * s[i];
+        for (int64_t i = half; i < dim; ++i)
+            o[i] = in[i] * c[i] + in[i - half] * s[i];
+    }
+}
+
 std::vector<int64_t> integers(const ov::Tensor& input) {
     std::vector<int64_t> values(input.get_size());
     for (size_t i = 0; i < values.size(); ++i)
@@ -227,9 +243,11 @@ std::vector<int64_t> integers(const ov::Tensor& input) {
 }  // namespace
 
 void KvAttention::validate_and_infer_types() {
-    NODE_VALIDATION_CHECK(this, get_input_size() == 5, "q, k, v, the caches and their pasts");
-    for (size_t i = 0; i < 3; ++i)
-        NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::f32, "q, k and v must be f32");
+    NODE_VALIDATION_CHECK(this, get_input_size() == 5 || get_input_size() == 7,
+                          "q, k, v, the caches and their pasts, and RoPE's cos and sin or none");
+    for (size_t i : {0, 1, 2, 5, 6})
+        NODE_VALIDATION_CHECK(this, i >= get_input_size() || get_input_element_type(i) == ov::element::f32,
+                              "q, k, v, cos and sin must be f32");
     for (size_t i = 3; i < 5; ++i)  // (the plugin hands i64 inputs over as i32)
         NODE_VALIDATION_CHECK(this,
                               get_input_element_type(i) == ov::element::i64 || get_input_element_type(i) == ov::element::i32,
@@ -267,6 +285,23 @@ bool KvAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& in
     const int64_t group = heads / kv_heads;  // (the query heads each KV head serves)
     const float *q = inputs[0].data<const float>(), *k = inputs[1].data<const float>(),
                 *v = inputs[2].data<const float>();
+    if (inputs.size() == 7) {  // q and k turned by their positions' angles first
+        OPENVINO_ASSERT(static_cast<int64_t>(inputs[5].get_size()) == rows * width * dim &&
+                            inputs[6].get_size() == inputs[5].get_size(),
+                        "KvAttention: cos ", inputs[5].get_shape(), " and sin ", inputs[6].get_shape(), " for q ", q_shape);
+        thread_local std::vector<float> turned;  // q's rows, then k's
+        turned.resize(static_cast<size_t>(rows * (heads + kv_heads) * width * dim));
+        const float *cos = inputs[5].data<const float>(), *sin = inputs[6].data<const float>();
+        for (int64_t b = 0; b < rows; ++b) {
+            const int64_t angles = b * width * dim;
+            rotate(q + b * heads * width * dim, cos + angles, sin + angles, heads, width, dim,
+                   turned.data() + b * heads * width * dim);
+            rotate(k + b * kv_heads * width * dim, cos + angles, sin + angles, kv_heads, width, dim,
+                   turned.data() + (rows * heads + b * kv_heads) * width * dim);
+        }
+        q = turned.data();
+        k = turned.data() + rows * heads * width * dim;
+    }
     // The pass's entries into each row's cache, after the entries it keeps.
     std::vector<LayerCache*> layers(static_cast<size_t>(rows));
     for (int64_t b = 0; b < rows; ++b) {

@@ -1,10 +1,11 @@
 // KvAttention: a layer's attention over a KV cache the op keeps itself, so that a rollback is a
 // shorter length and no state is copied (docs/design.md, "An attention of our own").
 //
-// Inputs: q, f32 [B, H, T, D] (RoPE applied); k and v, f32 [B, Hkv, T, D] (k with RoPE): the
-// pass's T new entries of each row; caches, i64 [B]: the cache each row reads and writes (its id,
-// any number a process chooses); pasts, i64 [B]: the entries of that cache the row keeps before
-// this pass. The pass writes its entries at [past, past + T) of its row's cache for this layer,
+// Inputs: q, f32 [B, H, T, D]; k and v, f32 [B, Hkv, T, D]: the pass's T new entries of each row;
+// caches, i64 [B]: the cache each row reads and writes (its id, any number a process chooses);
+// pasts, i64 [B]: the entries of that cache the row keeps before this pass; and, where RoPE is
+// left to the node (one node a layer where the plugin ran two more), its cos and sin, f32 [B, 1,
+// T, D]: q and k are turned by them first (else they come turned). The pass writes its entries at [past, past + T) of its row's cache for this layer,
 // dropping whatever the cache held from past on, and each query t attends causally to the
 // entries [0, past + t]. Attribute layer: which of a cache's layers this node reads and writes;
 // scale: what q . k is multiplied by before the softmax.
