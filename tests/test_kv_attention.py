@@ -150,7 +150,9 @@ def rope_model(library, turned_by_the_op: bool) -> ov.CompiledModel:
     if turned_by_the_op:
         out = ggml.attention(*(p.output(0) for p in inputs), LAYER, SCALE, library, (cos.output(0), sin.output(0)))
     else:
-        out = ggml.attention(turned(q), turned(k), v.output(0), caches.output(0), pasts.output(0), LAYER, SCALE, library)
+        out = ggml.attention(
+            turned(q), turned(k), v.output(0), caches.output(0), pasts.output(0), LAYER, SCALE, library
+        )
     return core.compile_model(ov.Model([out], inputs), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
