@@ -295,8 +295,11 @@ class Linears:
     def __call__(self, x: ov.Output, weights: list[Weight], fused: ggml.Fused) -> list[ov.Output]:
         raise NotImplementedError
 
-    def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float) -> ov.Output:
-        """Layer ``layer``'s attention, where it is the graph's own (:attr:`owns_attention`)."""
+    def attention(
+        self, q: ov.Output, k: ov.Output, v: ov.Output, layer: int, scale: float, rope: tuple[ov.Output, ov.Output]
+    ) -> ov.Output:
+        """Layer ``layer``'s attention, where it is the graph's own (:attr:`owns_attention`), ``q``
+        and ``k`` turned by RoPE's cos and sin first."""
         raise NotImplementedError
 
 
