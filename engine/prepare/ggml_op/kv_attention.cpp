@@ -288,7 +288,8 @@ bool KvAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& in
     if (inputs.size() == 7) {  // q and k turned by their positions' angles first
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[5].get_size()) == rows * width * dim &&
                             inputs[6].get_size() == inputs[5].get_size(),
-                        "KvAttention: cos ", inputs[5].get_shape(), " and sin ", inputs[6].get_shape(), " for q ", q_shape);
+                        "KvAttention: cos ", inputs[5].get_shape(), " and sin ", inputs[6].get_shape(), " for q ",
+                        q_shape);
         thread_local std::vector<float> turned;  // q's rows, then k's
         turned.resize(static_cast<size_t>(rows * (heads + kv_heads) * width * dim));
         const float *cos = inputs[5].data<const float>(), *sin = inputs[6].data<const float>();

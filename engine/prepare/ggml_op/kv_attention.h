@@ -5,10 +5,11 @@
 // caches, i64 [B]: the cache each row reads and writes (its id, any number a process chooses);
 // pasts, i64 [B]: the entries of that cache the row keeps before this pass; and, where RoPE is
 // left to the node (one node a layer where the plugin ran two more), its cos and sin, f32 [B, 1,
-// T, D]: q and k are turned by them first (else they come turned). The pass writes its entries at [past, past + T) of its row's cache for this layer,
-// dropping whatever the cache held from past on, and each query t attends causally to the
-// entries [0, past + t]. Attribute layer: which of a cache's layers this node reads and writes;
-// scale: what q . k is multiplied by before the softmax.
+// T, D]: q and k are turned by them first (else they come turned). The pass writes its entries
+// at [past, past + T) of its row's cache for this layer, dropping whatever the cache held from
+// past on, and each query t attends causally to the entries [0, past + t]. Attribute layer: which
+// of a cache's layers this node reads and writes; scale: what q . k is multiplied by before the
+// softmax.
 // Output: f32 [B, H, T, D].
 //
 // Each query row is computed alike whatever the pass's width and its place in the pass: its dot

@@ -65,9 +65,9 @@ inline std::pair<int64_t, int64_t> scales_and_mins(const uint8_t* q) {
     return {static_cast<int64_t>(scales), static_cast<int64_t>(mins)};
 }
 
-// A block's bytes into the cache ahead of use, into the next weight rows as `ahead` says (weight_types.h):
-// the blocks' compute, longer with more rows, would otherwise leave each block's first lines to
-// arrive from memory while the core waits. Six blocks ahead, not two or twelve, by plain steps
+// A block's bytes into the cache ahead of use, into the next weight rows as `ahead` says
+// (weight_types.h): the blocks' compute, longer with more rows, would otherwise leave each block's
+// first lines to arrive from memory while the core waits. Six blocks ahead, not two or twelve, by plain steps
 // timed in alternating processes (docs/benchmarks.md, "The op's fixed constants"); whether to
 // read ahead at all, and into which cache, is timed where the op runs (tuning.h).
 constexpr int64_t AHEAD = 6;  // blocks of 8 Q4_K rows ahead (4 times as many Q6_K blocks, 8 of Q4_0)
