@@ -12,7 +12,7 @@ import pytest
 
 from engine import ggml
 from engine.core.kv_cache import OwnCache
-from engine.prepare import kernels
+from engine.prepare import gguf_graph, kernels
 from engine.prepare.pipeline import default_cache_dir
 
 # (100 values a head: the op's values are added 64, then 32, then one at a time)
@@ -124,36 +124,23 @@ def test_rows_of_several_caches_in_one_pass_each_compute_what_they_compute_alone
 
 
 def rope_model(library, turned_by_the_op: bool) -> ov.CompiledModel:
-    """The op after RoPE: the graph's (x * cos + rotate_half(x) * sin, as engine.prepare.gguf_graph
-    writes it) or its own (cos and sin as its inputs), the angles of positions ``pasts[0]`` on."""
+    """The op after RoPE at ``position_ids``: the graph's (engine.prepare.gguf_graph.rope) or its
+    own (the graph's cos and sin as its inputs)."""
     core = ov.Core()
     ggml.register(core, library)
     q = ops.parameter([1, HEADS, -1, DIM], ov.Type.f32)
     k, v = (ops.parameter([1, KV_HEADS, -1, DIM], ov.Type.f32) for _ in range(2))
     caches, pasts = (ops.parameter([1], ov.Type.i64) for _ in range(2))
-    first = ops.squeeze(pasts, ops.constant(np.array([0])))
-    last = ops.add(first, ops.gather(ops.shape_of(q), ops.constant(np.array(2)), ops.constant(np.array(0))))
-    positions = ops.convert(ops.range(first, last, ops.constant(np.array(1)), ov.Type.i64), ov.Type.f32)
+    position_ids = ops.parameter([1, -1], ov.Type.i64)
     frequencies = (1.0 / 10000 ** (np.arange(0, DIM, 2) / DIM)).astype(np.float32)
-    angles = ops.multiply(ops.unsqueeze(positions, ops.constant(np.array([1]))), ops.constant(frequencies[None]))
-    angles = ops.concat([angles, angles], -1)
-    cos, sin = (ops.reshape(f(angles), ops.constant(np.array([1, 1, -1, DIM])), False) for f in (ops.cos, ops.sin))
-
-    def turned(x):
-        half = DIM // 2
-        first = ops.slice(x, np.array([0]), np.array([half]), np.array([1]), np.array([3]))
-        second = ops.slice(x, np.array([half]), np.array([DIM]), np.array([1]), np.array([3]))
-        rotated = ops.concat([ops.multiply(second, ops.constant(np.float32(-1))), first], -1)
-        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
-
+    cos, sin = gguf_graph.rope_angles(position_ids.output(0), ops.constant(frequencies.reshape(1, -1, 1)))
     inputs = [q, k, v, caches, pasts]
     if turned_by_the_op:
-        out = ggml.attention(*(p.output(0) for p in inputs), LAYER, SCALE, library, (cos.output(0), sin.output(0)))
+        out = ggml.attention(*(p.output(0) for p in inputs), LAYER, SCALE, library, (cos, sin))
     else:
-        out = ggml.attention(
-            turned(q), turned(k), v.output(0), caches.output(0), pasts.output(0), LAYER, SCALE, library
-        )
-    return core.compile_model(ov.Model([out], inputs), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        turned = [gguf_graph.rope(x.output(0), cos, sin) for x in (q, k)]
+        out = ggml.attention(*turned, v.output(0), caches.output(0), pasts.output(0), LAYER, SCALE, library)
+    return core.compile_model(ov.Model([out], [*inputs, position_ids]), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
 def test_the_op_turns_q_and_k_by_rope_as_the_graph_would_before_it(library):
@@ -164,8 +151,8 @@ def test_the_op_turns_q_and_k_by_rope_as_the_graph_would_before_it(library):
     for by_op in (True, False):
         model, cache = rope_model(library, by_op), new_cache(library)
         ids = np.array([cache.id], dtype=np.int64)
-        first = model([q[:, :, :33], k[:, :, :33], v[:, :, :33], ids, np.array([0])])[0]
-        then = model([q[:, :, 33:], k[:, :, 33:], v[:, :, 33:], ids, np.array([33])])[0]
+        first = model([q[:, :, :33], k[:, :, :33], v[:, :, :33], ids, np.array([0]), np.arange(33)[None]])[0]
+        then = model([q[:, :, 33:], k[:, :, 33:], v[:, :, 33:], ids, np.array([33]), np.arange(33, 40)[None]])[0]
         results.append(np.concatenate([first, then], axis=2))
         keys.append(cache.read(40)[f"{LAYER}.key"])
         cache.free()

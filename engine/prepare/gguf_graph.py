@@ -266,6 +266,27 @@ def embedding_table(tensor: Any, four_bit: bool = False) -> tuple[ov.Output, int
     return ops.convert(ops.constant(values), ov.Type.f32).output(0), values.nbytes
 
 
+def rope_angles(position_ids: ov.Output, frequencies: ov.Node) -> tuple[ov.Output, ov.Output]:
+    """RoPE's cos and sin [B, 1, T, D] of ``position_ids`` [B, T] at ``frequencies`` [1, D / 2, 1],
+    as the export computes them."""
+    positions = ops.convert(ops.unsqueeze(position_ids, _constant(1, np.int64)), ov.Type.f32)
+    angles = ops.transpose(ops.matmul(frequencies, positions, False, False), _constant([0, 2, 1], np.int32))
+    angles = ops.concat([angles, angles], -1)
+    cos, sin = (ops.unsqueeze(f(angles), _constant(1, np.int64)).output(0) for f in (ops.cos, ops.sin))
+    return cos, sin
+
+
+def rope(x: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
+    """x [B, H, T, D] * cos + rotate_half(x) * sin, rotate_half as the export writes it (the plugin
+    fuses the pattern into its RoPE node)."""
+    half, axis = x.get_partial_shape()[3].get_length() // 2, _constant([3], np.int64)
+    step = _constant([1], np.int64)
+    second = ops.slice(x, _constant([half], np.int64), _constant([np.iinfo(np.int64).max], np.int64), step, axis)
+    first = ops.slice(x, _constant([0], np.int64), _constant([half], np.int64), step, axis)
+    rotated = ops.concat([ops.multiply(second, _constant(-1.0)), first], -1)
+    return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+
+
 def inv_freq(shape: Shape) -> np.ndarray:
     """RoPE's frequencies, ``base ** (-2i / head_dim)``, exact to f32."""
     return (1.0 / shape.rope_base ** (np.arange(0, shape.head_dim, 2) / shape.head_dim)).astype(np.float32)
@@ -471,16 +492,6 @@ class _Builder:
             split = rms_norm(split, _values(self.tensors[f"{norm}.weight"]), self.shape.eps, rank=4)
         return ops.transpose(split, _constant([0, 2, 1, 3], np.int32)).output(0)
 
-    def rope(self, x: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
-        """x * cos + rotate_half(x) * sin, rotate_half as the export writes it (the plugin fuses
-        the pattern into its RoPE node)."""
-        half, axis = self.shape.head_dim // 2, _constant([3], np.int64)
-        step = _constant([1], np.int64)
-        second = ops.slice(x, _constant([half], np.int64), _constant([np.iinfo(np.int64).max], np.int64), step, axis)
-        first = ops.slice(x, _constant([0], np.int64), _constant([half], np.int64), step, axis)
-        rotated = ops.concat([ops.multiply(second, _constant(-1.0)), first], -1)
-        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
-
     def cache(self, name: str, batch: ov.Output) -> tuple[ov.Output, Variable]:
         """A layer's keys or values so far: the variable (zero entries until a pass assigns it),
         its rows reordered by ``beam_idx``, as the export's stateful model reads it."""
@@ -549,11 +560,7 @@ class _Builder:
 
         frequencies = ops.constant(inv_freq(shape).reshape(1, -1, 1))
         frequencies.set_friendly_name(INV_FREQ)
-        positions = ops.convert(ops.unsqueeze(p["position_ids"], _constant(1, np.int64)), ov.Type.f32)
-        angles = ops.transpose(ops.matmul(frequencies, positions, False, False), _constant([0, 2, 1], np.int32))
-        angles = ops.concat([angles, angles], -1)
-        cos = ops.unsqueeze(ops.cos(angles), _constant(1, np.int64)).output(0)
-        sin = ops.unsqueeze(ops.sin(angles), _constant(1, np.int64)).output(0)
+        cos, sin = rope_angles(p["position_ids"], frequencies)
         root = 1.0 / np.sqrt(shape.head_dim)  # (what q . k is scaled by)
         scale = _constant(root)
 
@@ -575,7 +582,7 @@ class _Builder:
             if own:
                 attended = self.multiply.attention(q, k, v, i, float(root), (cos, sin))
             else:
-                q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
                 (past_k, key_variable), (past_v, value_variable) = caches[i]
                 keys, values = self.extend(past_k, k, key_variable), self.extend(past_v, v, value_variable)
                 attended = ops.scaled_dot_product_attention(q, keys, values, bias, scale, causal=False).output(0)
